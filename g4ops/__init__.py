@@ -1,0 +1,16 @@
+"""g4ops: Gemma-4 RMSNorm and gated-GELU MLP as PyTorch custom ops with CUDA kernels, and run-time patching of
+HF transformers' Gemma-4 modules to use them (`g4ops.enable()`)."""
+
+from ._build import KernelBuildError, allow_reference_fallback
+from ._build import build as build_kernels
+from ._build import status as kernel_status
+from .ops import geglu_mlp, rms_norm
+
+__all__ = [
+    "KernelBuildError",
+    "allow_reference_fallback",
+    "build_kernels",
+    "kernel_status",
+    "geglu_mlp",
+    "rms_norm",
+]

@@ -1,0 +1,300 @@
+"""The g4ops operators: schemas (declared here, once), input checks, reference/fake/autograd/autocast registrations.
+
+Public ops (design.md section 3):
+    torch.ops.g4ops.rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor
+    torch.ops.g4ops.geglu_mlp(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down) -> Tensor
+Internal ops, each a real operator so autograd, torch.compile and CUDA graphs see them:
+    rms_norm_backward      grad_x and the weight gradient (fp32 reduction) of rms_norm
+    geglu_mlp_forward      the training forward: also returns the gate and up GEMM outputs for the backward
+    geglu_mlp_backward     grad_x and all three weight gradients, from the saved gate/up (h is recomputed)
+
+Kernels per op: the reference math (reference.py) is registered as CompositeExplicitAutograd, so it runs on every
+device; csrc/ registers CUDA kernels for the same names, which the dispatcher prefers on CUDA tensors. Autograd is
+an `Autograd` kernel (like a C++ op's) so that the training forward can save tensors the public op does not return.
+The fake kernels call the same checks as the real ones, so compile-time and run-time errors agree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from ._build import ensure_cuda_kernels
+
+NAMESPACE = "g4ops"
+_lib = torch.library.Library(NAMESPACE, "DEF")
+
+_SCHEMAS = {
+    "rms_norm": "rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor",
+    "rms_norm_backward": (
+        "rms_norm_backward(Tensor grad_out, Tensor x, Tensor? weight, float eps, bool weight_grad)"
+        " -> (Tensor, Tensor)"
+    ),
+    "geglu_mlp": "geglu_mlp(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down) -> Tensor",
+    "geglu_mlp_forward": (
+        "geglu_mlp_forward(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down) -> (Tensor, Tensor, Tensor)"
+    ),
+    "geglu_mlp_backward": (
+        "geglu_mlp_backward(Tensor grad_out, Tensor x, Tensor gate, Tensor up, Tensor w_gate, Tensor w_up,"
+        " Tensor w_down, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+}
+for _schema in _SCHEMAS.values():
+    _lib.define(_schema)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input checks, shared by the reference kernels and the fake kernels. torch._check* keeps them trace-safe.
+
+_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_floating(name: str, t: torch.Tensor) -> None:
+    torch._check_type(
+        t.dtype in _ACTIVATION_DTYPES,
+        lambda: f"g4ops: `{name}` must be float16, bfloat16, float32 or float64, got {t.dtype}",
+    )
+
+
+def _check_same_device(op: str, **tensors: torch.Tensor) -> None:
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        torch._check(
+            t.device == first.device,
+            lambda: f"g4ops.{op}: `{name}` is on {t.device} but `{first_name}` is on {first.device}",
+        )
+
+
+def _check_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> None:
+    _check_floating("x", x)
+    torch._check(x.dim() >= 1, lambda: "g4ops.rms_norm: `x` must have at least one dimension")
+    torch._check(eps >= 0.0, lambda: f"g4ops.rms_norm: `eps` must be >= 0, got {eps}")
+    if weight is not None:
+        _check_floating("weight", weight)
+        torch._check(
+            weight.dim() == 1 and weight.shape[0] == x.shape[-1],
+            lambda: f"g4ops.rms_norm: `weight` must have shape [{x.shape[-1]}] (the last dim of `x`), "
+            f"got {list(weight.shape)}",
+        )
+        _check_same_device("rms_norm", x=x, weight=weight)
+
+
+def _check_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    _check_floating("x", x)
+    torch._check(x.dim() >= 1, lambda: "g4ops.geglu_mlp: `x` must have at least one dimension")
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        _check_floating(name, w)
+        torch._check(w.dim() == 2, lambda: f"g4ops.geglu_mlp: `{name}` must be 2-D [out, in], got {list(w.shape)}")
+        torch._check(
+            w.dtype == x.dtype,
+            lambda: f"g4ops.geglu_mlp: `{name}` is {w.dtype} but `x` is {x.dtype}; the MLP weights must have the "
+            "activation dtype (under torch.autocast the op casts them for you)",
+        )
+    hidden, inter = x.shape[-1], w_gate.shape[0]
+    torch._check(
+        w_gate.shape[1] == hidden,
+        lambda: f"g4ops.geglu_mlp: `w_gate` must be [intermediate, {hidden}], got {list(w_gate.shape)}",
+    )
+    torch._check(
+        w_up.shape[0] == inter and w_up.shape[1] == hidden,
+        lambda: f"g4ops.geglu_mlp: `w_up` must be [{inter}, {hidden}] like `w_gate`, got {list(w_up.shape)}",
+    )
+    torch._check(
+        w_down.shape[0] == hidden and w_down.shape[1] == inter,
+        lambda: f"g4ops.geglu_mlp: `w_down` must be [{hidden}, {inter}], got {list(w_down.shape)}",
+    )
+    _check_same_device("geglu_mlp", x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reference kernels (every device). On a CUDA tensor they first make sure the compiled kernels were tried: once
+# they load, the dispatcher routes CUDA calls to them and the reference only runs if the user allowed the fallback.
+
+
+def _cuda_kernels_missing(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and ensure_cuda_kernels()
+
+
+def _rms_norm_impl(x, weight, eps):
+    _check_rms_norm(x, weight, eps)
+    if _cuda_kernels_missing(x):
+        return torch.ops.g4ops.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def _rms_norm_backward_impl(grad_out, x, weight, eps, weight_grad):
+    _check_rms_norm(x, weight, eps)
+    if _cuda_kernels_missing(x):
+        return torch.ops.g4ops.rms_norm_backward(grad_out, x, weight, eps, weight_grad)
+    return reference.rms_norm_backward(grad_out, x, weight, eps, weight_grad)
+
+
+def _geglu_mlp_impl(x, w_gate, w_up, w_down):
+    _check_geglu(x, w_gate, w_up, w_down)
+    if _cuda_kernels_missing(x):
+        return torch.ops.g4ops.geglu_mlp(x, w_gate, w_up, w_down)
+    return reference.geglu_mlp(x, w_gate, w_up, w_down)
+
+
+def _geglu_mlp_forward_impl(x, w_gate, w_up, w_down):
+    _check_geglu(x, w_gate, w_up, w_down)
+    if _cuda_kernels_missing(x):
+        return torch.ops.g4ops.geglu_mlp_forward(x, w_gate, w_up, w_down)
+    return reference.geglu_mlp_forward(x, w_gate, w_up, w_down)
+
+
+def _geglu_mlp_backward_impl(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask):
+    _check_geglu(x, w_gate, w_up, w_down)
+    if _cuda_kernels_missing(x):
+        return torch.ops.g4ops.geglu_mlp_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask)
+    return reference.geglu_mlp_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask)
+
+
+for _name, _impl in (
+    ("rms_norm", _rms_norm_impl),
+    ("rms_norm_backward", _rms_norm_backward_impl),
+    ("geglu_mlp", _geglu_mlp_impl),
+    ("geglu_mlp_forward", _geglu_mlp_forward_impl),
+    ("geglu_mlp_backward", _geglu_mlp_backward_impl),
+):
+    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fake kernels: exact sizes, strides (always contiguous) and dtypes.
+
+
+@torch.library.register_fake("g4ops::rms_norm", lib=_lib)
+def _rms_norm_fake(x, weight, eps):
+    _check_rms_norm(x, weight, eps)
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("g4ops::rms_norm_backward", lib=_lib)
+def _rms_norm_backward_fake(grad_out, x, weight, eps, weight_grad):
+    _check_rms_norm(x, weight, eps)
+    grad_w = weight.new_empty(weight.shape) if (weight is not None and weight_grad) else x.new_empty(0)
+    return x.new_empty(x.shape), grad_w
+
+
+def _mlp_out_shape(x, w_down):
+    return (*x.shape[:-1], w_down.shape[0])
+
+
+def _mlp_inter_shape(x, w_gate):
+    return (*x.shape[:-1], w_gate.shape[0])
+
+
+@torch.library.register_fake("g4ops::geglu_mlp", lib=_lib)
+def _geglu_mlp_fake(x, w_gate, w_up, w_down):
+    _check_geglu(x, w_gate, w_up, w_down)
+    return x.new_empty(_mlp_out_shape(x, w_down))
+
+
+@torch.library.register_fake("g4ops::geglu_mlp_forward", lib=_lib)
+def _geglu_mlp_forward_fake(x, w_gate, w_up, w_down):
+    _check_geglu(x, w_gate, w_up, w_down)
+    inter = _mlp_inter_shape(x, w_gate)
+    return x.new_empty(_mlp_out_shape(x, w_down)), x.new_empty(inter), x.new_empty(inter)
+
+
+@torch.library.register_fake("g4ops::geglu_mlp_backward", lib=_lib)
+def _geglu_mlp_backward_fake(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask):
+    _check_geglu(x, w_gate, w_up, w_down)
+    empty = x.new_empty(0)
+    return tuple(
+        t.new_empty(t.shape) if wanted else empty
+        for t, wanted in zip((x, w_gate, w_up, w_down), output_mask)
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autograd. Each formula's backward is one registered op (no Python math in the backward), so torch.compile puts
+# the CUDA backward kernels straight into the graph. Double backward is not supported (once_differentiable).
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return torch.ops.g4ops.rms_norm(x, weight, eps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        weight_grad = weight is not None and ctx.needs_input_grad[1]
+        grad_x, grad_w = torch.ops.g4ops.rms_norm_backward(grad_out, x, weight, ctx.eps, weight_grad)
+        return (grad_x if ctx.needs_input_grad[0] else None), (grad_w if weight_grad else None), None
+
+
+class _GegluMlpFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down):
+        out, gate, up = torch.ops.g4ops.geglu_mlp_forward(x, w_gate, w_up, w_down)
+        ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
+        mask = list(ctx.needs_input_grad)
+        grads = torch.ops.g4ops.geglu_mlp_backward(grad_out.contiguous(), x, gate, up, w_gate, w_up, w_down, mask)
+        return tuple(g if wanted else None for g, wanted in zip(grads, mask))
+
+
+_BELOW_AUTOGRAD = torch._C._after_autograd_keyset
+
+
+def _rms_norm_autograd(keyset, x, weight, eps):
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+        return _RMSNormFunction.apply(x, weight, eps)
+    return torch.ops.g4ops.rms_norm.default.redispatch(keyset & _BELOW_AUTOGRAD, x, weight, eps)
+
+
+def _geglu_mlp_autograd(keyset, x, w_gate, w_up, w_down):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_gate, w_up, w_down)):
+        return _GegluMlpFunction.apply(x, w_gate, w_up, w_down)
+    return torch.ops.g4ops.geglu_mlp.default.redispatch(keyset & _BELOW_AUTOGRAD, x, w_gate, w_up, w_down)
+
+
+_lib.impl("rms_norm", _rms_norm_autograd, "Autograd", with_keyset=True)
+_lib.impl("geglu_mlp", _geglu_mlp_autograd, "Autograd", with_keyset=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autocast: like nn.Linear, the MLP runs in the autocast dtype; rms_norm needs nothing (it computes in fp32 and
+# returns x's dtype either way, as stock does).
+
+
+def _make_geglu_autocast(device_type: str, key: str):
+    exclude = torch._C.DispatchKeySet(key)
+
+    def _geglu_mlp_autocast(x, w_gate, w_up, w_down):
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+        with torch._C._ExcludeDispatchKeyGuard(exclude):
+            return torch.ops.g4ops.geglu_mlp(cast(x), cast(w_gate), cast(w_up), cast(w_down))
+
+    return _geglu_mlp_autocast
+
+
+for _device_type, _key in (("cuda", "AutocastCUDA"), ("cpu", "AutocastCPU")):
+    _lib.impl("geglu_mlp", _make_geglu_autocast(_device_type, _key), _key)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Python API
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """Gemma-4 RMSNorm over the last dim: `x * (mean(x^2) + eps)^-0.5 * weight` in fp32, cast once to x.dtype."""
+    return torch.ops.g4ops.rms_norm(x, weight, float(eps))
+
+
+def geglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """`down(gelu_tanh(x @ w_gate.T) * (x @ w_up.T))` with weights in nn.Linear layout [out, in], no bias."""
+    return torch.ops.g4ops.geglu_mlp(x, w_gate, w_up, w_down)

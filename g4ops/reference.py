@@ -1,0 +1,110 @@
+"""Reference math for every g4ops op, written once.
+
+These functions are the kernels that run on any device without compiled code (CPU, XLA, CUDA when the user allowed
+the fallback), the fast twin of the tests' fp64 oracle, and what neuron_backend lowers. They take already-validated
+inputs (ops.py checks them) and follow the numerics contract of design.md section 4:
+
+- RMSNorm reproduces transformers' `Gemma4RMSNorm.forward` (modeling_gemma4.py: `x.float()`, `pow(2).mean(-1)`,
+  `torch.pow(ms + eps, -0.5)`, times `weight.float()`, `type_as(x)`), so fp32 models match stock bit for bit on CPU.
+  Accumulation is fp32, or fp64 for fp64 inputs so gradcheck works; one rounding to the output dtype.
+- GeGLU: `gelu_tanh(g) * u` computed in fp32 from the GEMM outputs and rounded once. Stock rounds twice (after the
+  gelu and after the product); one rounding is closer to the exact value.
+
+Every output is a fresh contiguous tensor (the fake kernels promise exactly that).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 stays fp64 (gradcheck); every other floating dtype computes in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _inverse_rms(x_acc: torch.Tensor, eps: float) -> torch.Tensor:
+    # torch.pow(..., -0.5) rather than rsqrt: the same expression as transformers, for bitwise-equal fp32 results.
+    return torch.pow(x_acc.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    acc = accumulation_dtype(x.dtype)
+    x_acc = x.to(acc)
+    y = x_acc * _inverse_rms(x_acc, eps)
+    if weight is not None:
+        y = y * weight.to(acc)
+    return y.to(x.dtype).contiguous()
+
+
+def rms_norm_backward(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (grad_x in x.dtype, grad_weight in weight.dtype, or an empty tensor when not asked for)."""
+    acc = accumulation_dtype(x.dtype)
+    x_acc = x.to(acc)
+    inv_rms = _inverse_rms(x_acc, eps)
+    x_hat = x_acc * inv_rms
+    dy = grad_out.to(acc)
+    dy_w = dy * weight.to(acc) if weight is not None else dy
+    # d/dx [x * r(x)] with r = (mean(x^2)+eps)^-1/2:  r * (g - x_hat * mean(g * x_hat))
+    grad_x = inv_rms * (dy_w - x_hat * (dy_w * x_hat).mean(-1, keepdim=True))
+    if weight is not None and weight_grad:
+        grad_w = (dy * x_hat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    else:
+        grad_w = x.new_empty(0)
+    return grad_x.to(x.dtype).contiguous(), grad_w
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up in the accumulation dtype, rounded once to gate.dtype."""
+    acc = accumulation_dtype(gate.dtype)
+    return (F.gelu(gate.to(acc), approximate="tanh") * up.to(acc)).to(gate.dtype)
+
+
+def gelu_tanh_mul_backward(
+    grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_gate, grad_up, h): h is recomputed here for the down-projection weight gradient instead of saved."""
+    acc = accumulation_dtype(gate.dtype)
+    g, u, dh = gate.to(acc), up.to(acc), grad_h.to(acc)
+    gelu_g = F.gelu(g, approximate="tanh")
+    grad_gate = torch.ops.aten.gelu_backward(dh * u, g, approximate="tanh")
+    return grad_gate.to(gate.dtype), (dh * gelu_g).to(gate.dtype), (gelu_g * u).to(gate.dtype)
+
+
+def geglu_mlp_forward(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, gate, up): the training forward keeps the two GEMM outputs for the backward."""
+    gate = F.linear(x, w_gate)
+    up = F.linear(x, w_up)
+    out = F.linear(gelu_tanh_mul(gate, up), w_down)
+    return out.contiguous(), gate.contiguous(), up.contiguous()
+
+
+def geglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return geglu_mlp_forward(x, w_gate, w_up, w_down)[0]
+
+
+def geglu_mlp_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    output_mask: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_x, grad_w_gate, grad_w_up, grad_w_down); an output whose mask entry is False is an empty tensor."""
+    grad_h = F.linear(grad_out, w_down.t())
+    grad_gate, grad_up, h = gelu_tanh_mul_backward(grad_h, gate, up)
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    empty = x.new_empty(0)
+    grad_x = (F.linear(grad_gate, w_gate.t()) + F.linear(grad_up, w_up.t())).contiguous() if output_mask[0] else empty
+    grad_wg = (rows(grad_gate).t() @ rows(x)) if output_mask[1] else empty
+    grad_wu = (rows(grad_up).t() @ rows(x)) if output_mask[2] else empty
+    grad_wd = (rows(grad_out).t() @ rows(h)) if output_mask[3] else empty
+    return grad_x, grad_wg, grad_wu, grad_wd
