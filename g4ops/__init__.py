@@ -4,10 +4,14 @@ HF transformers' Gemma-4 modules to use them (`g4ops.enable()`)."""
 from ._build import KernelBuildError, allow_reference_fallback
 from ._build import build as build_kernels
 from ._build import status as kernel_status
+from .integration import disable, enable, is_enabled
 from .ops import geglu_mlp, rms_norm
 
 __all__ = [
     "KernelBuildError",
+    "disable",
+    "enable",
+    "is_enabled",
     "allow_reference_fallback",
     "build_kernels",
     "kernel_status",

@@ -1,0 +1,253 @@
+"""`g4ops.enable()`: make HF transformers' Gemma-4 modules call the g4ops ops, at run time, reversibly.
+
+This is the only module that knows transformers' Gemma-4 class names and quirks (design.md section 5):
+- `Gemma4RMSNorm.forward` -> `g4ops.rms_norm` (no `1 + w` offset; `with_scale=False` norms have no weight; the
+  vision/audio towers reuse the class at other widths, which the op handles).
+- `Gemma4TextMLP.forward` -> `g4ops.geglu_mlp`, but only when the three projections are plain `nn.Linear` without
+  bias, hooks or an instance-level forward. A projection wrapped by peft (LoRA), replaced by a quantized layer,
+  sharded as a DTensor or hooked by accelerate keeps the stock forward, so an adapter is never silently bypassed.
+  The double-wide MLP of E2B's KV-shared layers is just a wider weight.
+
+Only `forward` attributes are replaced (on the class, or on one model's module instances); classes are never
+swapped and no file of the install is touched. Each patch remembers the forward it replaced, and `disable()` puts
+those back. Before patching, a probe checks that the installed transformers computes what the ops compute, so a
+future change of semantics is refused loudly instead of producing a silently different model.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+from torch import nn
+
+from . import ops
+
+_HF_MODULE = "transformers.models.gemma4.modeling_gemma4"
+_GELU_TANH_NAMES = {"gelu_pytorch_tanh"}  # ACT2FN names whose function is gelu(x, approximate="tanh")
+_MARK = "_g4ops_stock_forward"  # attribute on every forward we install: the forward it replaced
+
+
+def _gemma4():
+    try:
+        import importlib
+
+        return importlib.import_module(_HF_MODULE)
+    except ImportError as exc:
+        raise ImportError(
+            "g4ops.enable() needs HF transformers with Gemma-4 (transformers >= 5.6): " + str(exc)
+        ) from exc
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Replacement forwards
+
+
+def _is_plain_tensor(t) -> bool:
+    return type(t) in (torch.Tensor, nn.Parameter)
+
+
+def _is_plain_linear(module) -> bool:
+    return (
+        type(module) is nn.Linear
+        and module.bias is None
+        and "forward" not in vars(module)
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+        and _is_plain_tensor(module.weight)
+    )
+
+
+def _make_norm_forward(stock_forward):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = getattr(self, "weight", None) if getattr(self, "with_scale", True) else None
+        if not _is_plain_tensor(hidden_states) or (weight is not None and not _is_plain_tensor(weight)):
+            return stock_forward(self, hidden_states)
+        return ops.rms_norm(hidden_states, weight, self.eps)
+
+    setattr(forward, _MARK, stock_forward)
+    return forward
+
+
+def mlp_uses_g4ops(mlp: nn.Module) -> bool:
+    """Whether a Gemma4TextMLP can run as one geglu_mlp op (else its stock forward runs)."""
+    config = getattr(mlp, "config", None)
+    return (
+        getattr(config, "hidden_activation", None) in _GELU_TANH_NAMES
+        and all(_is_plain_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj"))
+    )
+
+
+def _make_mlp_forward(stock_forward):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (_is_plain_tensor(x) and mlp_uses_g4ops(self)):
+            return stock_forward(self, x)
+        return ops.geglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+    setattr(forward, _MARK, stock_forward)
+    return forward
+
+
+def _patch_table() -> dict[type, callable]:
+    """Class -> factory of its replacement forward. The fused-loss forward joins when it exists."""
+    hf = _gemma4()
+    table = {hf.Gemma4RMSNorm: _make_norm_forward, hf.Gemma4TextMLP: _make_mlp_forward}
+    try:
+        from .hf_loss import make_causal_lm_forward
+    except ImportError:
+        pass
+    else:
+        table[hf.Gemma4ForCausalLM] = make_causal_lm_forward
+    return table
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Probes: the installed transformers must compute what we replace it with.
+
+
+@torch.no_grad()
+def _probe(hf) -> None:
+    from .models import text_config
+
+    gen = torch.Generator().manual_seed(0)
+    norm = hf.Gemma4RMSNorm(24, eps=1e-6)
+    norm.weight.copy_(torch.randn(24, generator=gen))
+    x = torch.randn(3, 24, generator=gen)
+    if not torch.allclose(norm(x), ops.rms_norm(x, norm.weight, 1e-6), rtol=1e-5, atol=1e-6):
+        raise RuntimeError(
+            f"{_HF_MODULE}.Gemma4RMSNorm no longer computes x * rsqrt(mean(x^2) + eps) * weight; g4ops refuses to "
+            "patch this transformers version (please report it)"
+        )
+    config = text_config("tiny-e4b")
+    try:
+        mlp = hf.Gemma4TextMLP(config, 0)
+    except TypeError:  # releases whose MLP takes only the config
+        mlp = hf.Gemma4TextMLP(config)
+    for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.2)
+    x = torch.randn(3, config.hidden_size, generator=gen)
+    got = ops.geglu_mlp(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    if not torch.allclose(mlp(x), got, rtol=1e-4, atol=1e-5):
+        raise RuntimeError(
+            f"{_HF_MODULE}.Gemma4TextMLP no longer computes down(gelu_tanh(gate(x)) * up(x)); g4ops refuses to "
+            "patch this transformers version (please report it)"
+        )
+
+
+_probed = False
+
+
+def _probe_once(hf) -> None:
+    global _probed
+    if not _probed:
+        _probe(hf)
+        _probed = True
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Patch bookkeeping
+
+
+_class_patches: dict[type, callable] = {}  # class -> the forward we replaced
+_instance_patches: list[weakref.ref] = []  # modules whose instance-level forward we set
+
+
+def _stock_forward_of(cls: type):
+    forward = cls.forward
+    return getattr(forward, _MARK, forward)
+
+
+class _Patches:
+    """What one `enable()` call changed; a context manager that undoes exactly that on exit."""
+
+    def __init__(self, classes: list[type], modules: list[nn.Module]):
+        self.classes = classes
+        self.modules = [weakref.ref(m) for m in modules]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for cls in self.classes:
+            _unpatch_class(cls)
+        for ref in self.modules:
+            module = ref()
+            if module is not None:
+                _unpatch_module(module)
+        return False
+
+
+def _unpatch_class(cls: type) -> None:
+    stock = _class_patches.pop(cls, None)
+    if stock is not None:
+        cls.forward = stock
+
+
+def _unpatch_module(module: nn.Module) -> None:
+    forward = vars(module).get("forward")
+    if forward is not None and hasattr(getattr(forward, "__func__", None), _MARK):
+        del module.forward
+    _instance_patches[:] = [r for r in _instance_patches if r() is not None and r() is not module]
+
+
+def _maybe_build_kernels() -> None:
+    """On a GPU machine, build (or load) the kernels now, so a failure shows at enable() and not mid-forward."""
+    if torch.cuda.is_available():
+        from ._build import ensure_cuda_kernels
+
+        ensure_cuda_kernels()
+
+
+def enable(model: nn.Module | None = None) -> _Patches:
+    """Patch every Gemma-4 norm/MLP (and the causal-LM loss) class, or only the modules of `model`.
+
+    Idempotent; returns a handle that works as a context manager (`with g4ops.enable(): ...`) and undoes on exit
+    only what this call changed."""
+    hf = _gemma4()
+    _probe_once(hf)
+    _maybe_build_kernels()
+    table = _patch_table()
+    if model is None:
+        patched = []
+        for cls, make_forward in table.items():
+            if cls not in _class_patches:
+                _class_patches[cls] = cls.forward
+                cls.forward = make_forward(cls.forward)
+                patched.append(cls)
+        return _Patches(patched, [])
+    patched_modules = []
+    for module in model.modules():
+        cls = next((c for c in table if type(module) is c), None)
+        if cls is None or "forward" in vars(module) or cls in _class_patches:
+            continue  # not ours, already patched on the instance, or the class patch covers it
+        module.forward = types.MethodType(table[cls](_stock_forward_of(cls)), module)
+        _instance_patches.append(weakref.ref(module))
+        patched_modules.append(module)
+    return _Patches([], patched_modules)
+
+
+def disable(model: nn.Module | None = None) -> None:
+    """Undo `enable()`: everything, or only the instance patches of `model`."""
+    if model is None:
+        for cls in list(_class_patches):
+            _unpatch_class(cls)
+        for ref in list(_instance_patches):
+            module = ref()
+            if module is not None:
+                _unpatch_module(module)
+        _instance_patches.clear()
+        return
+    for module in model.modules():
+        _unpatch_module(module)
+
+
+def is_enabled(model: nn.Module | None = None) -> bool:
+    """True when the classes are patched, or (given a model) when any of its modules runs a g4ops forward."""
+    if model is None:
+        return bool(_class_patches)
+    for module in model.modules():
+        forward = getattr(module, "forward", None)
+        if hasattr(getattr(forward, "__func__", forward), _MARK):
+            return True
+    return False

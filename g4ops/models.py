@@ -1,0 +1,79 @@
+"""Gemma-4 text configs and models built in code (no downloads): the tiny test/demo models and the real E4B/E2B
+shapes for benchmarks. Configs are built from keyword arguments, because a config file saved by one transformers
+version can load wrongly in another (design.md section 5)."""
+
+from __future__ import annotations
+
+import torch
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+# The real text decoders (design.md section 5). E4B: 42 layers of (5 sliding + 1 full), last 18 reuse KV.
+E4B = dict(
+    hidden_size=2560, intermediate_size=10240, num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2,
+    head_dim=256, global_head_dim=512, num_kv_shared_layers=18, hidden_size_per_layer_input=256,
+    vocab_size=262144, vocab_size_per_layer_input=262144, sliding_window=512, use_double_wide_mlp=False,
+)
+E2B = dict(
+    E4B, hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
+    num_key_value_heads=1, num_kv_shared_layers=20, use_double_wide_mlp=True,
+)
+# Tiny E4B-shaped model for tests and the demo; the E2B-shaped one has the double-wide MLP on KV-shared layers.
+TINY_E4B = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, global_head_dim=32, num_kv_shared_layers=2, hidden_size_per_layer_input=16,
+    vocab_size=512, vocab_size_per_layer_input=512, sliding_window=8, use_double_wide_mlp=False,
+)
+TINY_E2B = dict(TINY_E4B, num_key_value_heads=1, use_double_wide_mlp=True)
+SHAPES = {"e4b": E4B, "e2b": E2B, "tiny-e4b": TINY_E4B, "tiny-e2b": TINY_E2B}
+
+
+def layer_types(num_layers: int, period: int = 6) -> list[str]:
+    """(period - 1) sliding layers then one full layer, repeated; the last layer is always full."""
+    types = [FULL if (i + 1) % period == 0 else SLIDING for i in range(num_layers)]
+    types[-1] = FULL
+    return types
+
+
+def text_config(shape: str = "tiny-e4b", num_layers: int | None = None, **overrides):
+    """A `Gemma4TextConfig` of one of SHAPES, optionally with fewer layers (KV sharing scaled to keep its ratio)."""
+    from transformers import Gemma4TextConfig
+
+    kwargs = dict(SHAPES[shape])
+    period = 3 if shape.startswith("tiny") else 6  # tiny: [s, s, f, s, s, f]
+    if num_layers is not None and num_layers != kwargs["num_hidden_layers"]:
+        shared = round(kwargs["num_kv_shared_layers"] * num_layers / kwargs["num_hidden_layers"])
+        kwargs.update(num_hidden_layers=num_layers, num_kv_shared_layers=min(shared, max(num_layers - period, 0)))
+    kwargs.update(
+        layer_types=layer_types(kwargs["num_hidden_layers"], period),
+        hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, final_logit_softcapping=30.0,
+        tie_word_embeddings=True, attention_k_eq_v=False, enable_moe_block=False, pad_token_id=0,
+        bos_token_id=2, eos_token_id=1,
+    )
+    kwargs.update(overrides)
+    return Gemma4TextConfig(**kwargs)
+
+
+@torch.no_grad()
+def randomize_norms_and_scalars(model: torch.nn.Module, generator: torch.Generator | None = None) -> None:
+    """All-ones init hides weight bugs: give every norm weight and every `layer_scalar` a random value."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight") or "_norm." in name or name.endswith("layernorm.weight"):
+            param.copy_(1.0 + 0.5 * torch.randn(param.shape, generator=generator, dtype=torch.float32))
+    for name, buf in model.named_buffers():
+        if name.endswith("layer_scalar"):
+            buf.copy_(0.5 + torch.rand(buf.shape, generator=generator, dtype=torch.float32))
+
+
+def build_model(shape: str = "tiny-e4b", num_layers: int | None = None, dtype=torch.float32, device="cpu",
+                seed: int = 0, attn_implementation: str = "sdpa", **overrides):
+    """A `Gemma4ForCausalLM` with random weights (norms and layer scalars randomised too), in eval mode."""
+    from transformers import Gemma4ForCausalLM
+
+    config = text_config(shape, num_layers, **overrides)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Gemma4ForCausalLM(config)
+    randomize_norms_and_scalars(model, torch.Generator().manual_seed(seed + 1))
+    return model.to(dtype).eval()
