@@ -1,0 +1,142 @@
+"""A drop-in `forward` for transformers' `Gemma4ForCausalLM` that trains with the fused, chunked loss.
+
+`make_causal_lm_forward(stock_forward)` returns a forward that, when the model is in training mode and `labels` are
+given, runs the decoder (`self.model(...)`, the same call and arguments stock makes), and computes the loss with
+`g4ops.linear_cross_entropy` on `lm_head.weight` (the tied embedding) and `config.final_logit_softcapping`, so the
+[batch, seq, 262144] logits are never materialised. The output is the stock output class with `loss` set and
+`logits=None` (as Liger does); every other field (cache, hidden_states, attentions, ...) is carried over.
+
+Loss semantics are HF's `ForCausalLMLoss` exactly:
+- the shift: `labels` padded with `ignore_index` on the right and shifted left by one, so position t predicts
+  labels[t + 1] and the last position predicts nothing. That is the same as hidden[..., :-1, :] vs labels[..., 1:]
+  without copying the hidden states; a given `shift_labels` kwarg is used as is (no shift);
+- `ignore_index` (kwarg, default -100) rows are skipped; the mean is over the others;
+- `num_items_in_batch` (kwarg, tensor or number, as the HF Trainer passes it): the sum divided by it.
+
+Everything else runs the stock forward unchanged: no labels, eval mode (so `model.eval()` + labels still returns
+logits, which evaluation loops with metrics need), `logits_to_keep != 0`, a custom loss (`model.loss_function = ...`
+or a `loss_type` other than ForCausalLM), or an `lm_head` that is not a plain bias-free `nn.Linear` (peft-wrapped,
+quantized or hooked: its own forward must run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .loss import linear_cross_entropy
+
+_MARK = "_g4ops_stock_forward"  # the attribute integration.py reads: the forward a patch replaced
+
+
+def _plain_linear(module) -> bool:
+    return (
+        type(module) is nn.Linear
+        and module.bias is None
+        and "forward" not in vars(module)
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+    )
+
+
+def _explicit_params(fn) -> set[str]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _output_class(model):
+    module = sys.modules.get(type(model).__module__)
+    cls = getattr(module, "Gemma4CausalLMOutputWithPast", None)
+    if cls is None:
+        from transformers.modeling_outputs import CausalLMOutputWithPast as cls
+    return cls
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _fused_applies(model, arguments: dict) -> bool:
+    logits_to_keep = arguments.get("logits_to_keep", 0)
+    return (
+        model.training
+        and arguments.get("labels") is not None
+        and isinstance(logits_to_keep, int)
+        and logits_to_keep == 0
+        and "_loss_function" not in vars(model)
+        and getattr(model, "loss_type", None) in (None, "ForCausalLM")
+        and _plain_linear(getattr(model, "lm_head", None))
+    )
+
+
+def make_causal_lm_forward(stock_forward):
+    """The fused-loss forward for `Gemma4ForCausalLM`, given the forward it replaces (called for every case the
+    fused path does not cover). Usable on the class (`cls.forward = make_causal_lm_forward(cls.forward)`) or bound to
+    one instance (`types.MethodType`)."""
+    signature = inspect.signature(stock_forward)  # follows __wrapped__ to the real parameter names
+    names = list(signature.parameters)
+    var_kw = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+
+    def fused(self, arguments: dict, extra: dict):
+        model_params = _explicit_params(self.model.forward)
+        call = {k: v for k, v in arguments.items() if k in model_params}  # what stock hands the decoder
+        outputs = self.model(**call, **extra)
+        hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+
+        labels = arguments["labels"]
+        ignore_index = extra.get("ignore_index", -100)
+        shift_labels = extra.get("shift_labels")
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        loss = linear_cross_entropy(
+            hidden,
+            self.lm_head.weight,
+            shift_labels.to(hidden.device),
+            _text_config(self).final_logit_softcapping,
+            ignore_index,
+            extra.get("num_items_in_batch"),
+        )
+        out_cls = _output_class(self)
+        fields = {f.name for f in dataclasses.fields(out_cls)} if dataclasses.is_dataclass(out_cls) else set()
+        carried = {
+            name: getattr(outputs, name)
+            for name in fields - {"loss", "logits"}
+            if getattr(outputs, name, None) is not None
+        }
+        return out_cls(loss=loss, logits=None, **carried)
+
+    @functools.wraps(stock_forward)
+    def forward(self, *args, **kwargs):
+        # return_dict is consumed by stock's @can_return_tuple; keep it out of the binding.
+        return_dict = kwargs.pop("return_dict", None)
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError:
+            bound = None
+        if bound is not None:
+            arguments = dict(bound.arguments)
+            arguments.pop(names[0], None)  # self
+            extra = dict(arguments.pop(var_kw, {})) if var_kw else {}
+            if _fused_applies(self, arguments):
+                output = fused(self, arguments, extra)
+                if return_dict is None:
+                    return_dict = getattr(self.config, "return_dict", True)
+                return output if return_dict else output.to_tuple()
+        if return_dict is not None:
+            kwargs["return_dict"] = return_dict
+        return stock_forward(self, *args, **kwargs)
+
+    # functools.wraps copied __wrapped__, which would make inspect and transformers see the stock signature; that is
+    # what we want (same parameters), but the mark must point at what we replaced.
+    setattr(forward, _MARK, stock_forward)
+    return forward

@@ -1,0 +1,350 @@
+"""Fused linear cross-entropy with Gemma's final logit softcap, chunked over tokens so the full logits never exist.
+
+Public op (declared on the same `g4ops` library as ops.py):
+    torch.ops.g4ops.linear_cross_entropy(Tensor hidden, Tensor weight, Tensor labels, float? softcap,
+                                         int ignore_index, str reduction, int chunk_size) -> Tensor
+Internal ops, each a real operator so autograd, torch.compile and CUDA graphs see them:
+    linear_cross_entropy_forward   the training forward: the loss and, computed chunk by chunk in the same pass,
+                                   d loss / d hidden and d loss / d weight (Liger's trick: nothing of size
+                                   [tokens, vocab] is kept for the backward)
+    linear_cross_entropy_backward  scales those saved gradients by the incoming grad_output
+
+Semantics (what HF transformers computes for Gemma-4 with `labels`, written out once):
+    z      = softcap * tanh((hidden @ weight.T) / softcap)        (no cap when softcap is None or 0)
+    loss_i = logsumexp(z_i) - z_i[labels_i]                       for rows whose label != ignore_index
+    "mean": sum_i loss_i / #(labels != ignore_index)              (HF's default; NaN when every label is ignored,
+                                                                   as F.cross_entropy gives)
+    "sum" : sum_i loss_i                                          (HF's `num_items_in_batch` path divides this sum
+                                                                   by num_items_in_batch outside the op; the Python
+                                                                   wrapper `linear_cross_entropy(...,
+                                                                   num_items_in_batch=...)` does that, accepting a
+                                                                   tensor without a host sync)
+`hidden` is [..., H] (any leading shape, already shifted: row i predicts labels_i), `weight` is the nn.Linear
+layout [V, H] (the tied embedding), `labels` is an integer tensor of shape hidden.shape[:-1]. The loss is a 0-d
+fp32 tensor (fp64 for fp64 inputs), like HF's `logits.float()` loss.
+
+Numerics: each chunk's logits come from one GEMM in the input dtype (fp32 accumulation inside cuBLAS / the CPU
+BLAS, one rounding, exactly stock's `lm_head` output); the softcap, logsumexp, softmax and the softcap derivative
+run in fp32 (fp64 for fp64 inputs) from there. Stock transformers applies the softcap in bf16 (three roundings) and
+only then upcasts, so this is closer to an fp64 oracle than stock. The weight gradient is accumulated over chunks
+in an fp32 buffer (one bf16 partial per chunk, summed in fp32) and rounded once to the weight's dtype; the hidden
+gradient of each row is one GEMM. When the backward's grad_output is not exactly 1 (loss scaling, gradient
+accumulation divided into the loss) the saved gradients are multiplied by it: one more rounding in bf16.
+
+Memory: per chunk of `chunk_size` tokens a few [chunk, V] buffers (fp32), plus the [N, H] hidden gradient and an
+fp32 [V, H] accumulator while the forward runs; between forward and backward only the two gradients (in the input
+dtypes) are kept. `chunk_size=0` picks chunks of about 2**27 logits (512 tokens at V = 262144: 0.5 GiB per fp32
+buffer). No host sync anywhere on CUDA (the mean divides by a device tensor; out-of-range labels trip a device-side
+assert, as F.cross_entropy does; on CPU they raise an error naming `labels`).
+
+Double backward is not supported (once_differentiable), like Liger's fused loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .ops import _lib
+from .reference import accumulation_dtype
+
+_SCHEMAS = {
+    "linear_cross_entropy": (
+        "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor labels, float? softcap=None, "
+        "int ignore_index=-100, str reduction=\"mean\", int chunk_size=0) -> Tensor"
+    ),
+    "linear_cross_entropy_forward": (
+        "linear_cross_entropy_forward(Tensor hidden, Tensor weight, Tensor labels, float? softcap, "
+        "int ignore_index, str reduction, int chunk_size, bool[2] output_mask) -> (Tensor, Tensor, Tensor)"
+    ),
+    "linear_cross_entropy_backward": (
+        "linear_cross_entropy_backward(Tensor grad_output, Tensor grad_hidden, Tensor grad_weight, "
+        "bool[2] output_mask) -> (Tensor, Tensor)"
+    ),
+}
+for _schema in _SCHEMAS.values():
+    _lib.define(_schema)
+
+# About 2**27 logits per chunk: 512 tokens at Gemma's 262144-word vocabulary, 0.5 GiB per fp32 [chunk, V] buffer.
+CHUNK_LOGITS = 1 << 27
+_REDUCTIONS = ("mean", "sum")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input checks, shared by the reference kernels and the fake kernels (torch._check* keeps them trace-safe).
+
+
+def _check(hidden, weight, labels, softcap, ignore_index, reduction, chunk_size) -> None:
+    op = "g4ops.linear_cross_entropy"
+    torch._check_type(
+        hidden.dtype in _FLOAT_DTYPES,
+        lambda: f"{op}: `hidden` must be float16, bfloat16, float32 or float64, got {hidden.dtype}",
+    )
+    torch._check_type(
+        weight.dtype in _FLOAT_DTYPES,
+        lambda: f"{op}: `weight` must be float16, bfloat16, float32 or float64, got {weight.dtype}",
+    )
+    torch._check_type(
+        labels.dtype in _LABEL_DTYPES,
+        lambda: f"{op}: `labels` must be an integer tensor (int64 token ids), got {labels.dtype}",
+    )
+    torch._check(hidden.dim() >= 1, lambda: f"{op}: `hidden` must have at least one dimension")
+    torch._check(
+        weight.dim() == 2 and weight.shape[1] == hidden.shape[-1],
+        lambda: f"{op}: `weight` must be [vocab, {hidden.shape[-1]}] (nn.Linear layout, in = the last dim of "
+        f"`hidden`), got {list(weight.shape)}",
+    )
+    torch._check(
+        weight.dtype == hidden.dtype,
+        lambda: f"{op}: `weight` is {weight.dtype} but `hidden` is {hidden.dtype}; they must match (under "
+        "torch.autocast the op casts them for you)",
+    )
+    torch._check(
+        tuple(labels.shape) == tuple(hidden.shape[:-1]),
+        lambda: f"{op}: `labels` must have shape {list(hidden.shape[:-1])} (`hidden` without its last dim), got "
+        f"{list(labels.shape)}",
+    )
+    torch._check(
+        softcap is None or softcap >= 0.0, lambda: f"{op}: `softcap` must be None or >= 0, got {softcap}"
+    )
+    torch._check(
+        reduction in _REDUCTIONS, lambda: f"{op}: `reduction` must be 'mean' or 'sum', got {reduction!r}"
+    )
+    torch._check(chunk_size >= 0, lambda: f"{op}: `chunk_size` must be >= 0 (0 = automatic), got {chunk_size}")
+    for name, t in (("weight", weight), ("labels", labels)):
+        torch._check(
+            t.device == hidden.device,
+            lambda: f"{op}: `{name}` is on {t.device} but `hidden` is on {hidden.device}",
+        )
+
+
+def _check_labels_in_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Out-of-range labels: a clear error on CPU; a device-side assert (no host sync) elsewhere."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if labels.device.type == "cpu":
+        if bool(bad.any()):
+            first = labels[bad][0].item()
+            raise IndexError(
+                f"g4ops.linear_cross_entropy: `labels` holds {first}, outside [0, {vocab}) and not the "
+                f"ignore_index {ignore_index}"
+            )
+    elif labels.device.type == "cuda":
+        torch._assert_async(~bad.any(), "g4ops.linear_cross_entropy: `labels` out of range")
+
+
+def chunk_rows(num_rows: int, vocab: int, chunk_size: int) -> int:
+    if chunk_size > 0:
+        return min(chunk_size, max(num_rows, 1))
+    return max(1, min(max(num_rows, 1), CHUNK_LOGITS // max(vocab, 1)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reference math (every device): the CPU kernel, the CUDA kernel (GEMMs are cuBLAS through ATen), the test
+# oracle's fast twin and the benchmark baseline.
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    softcap: float | None,
+    ignore_index: int,
+    reduction: str,
+    chunk_size: int,
+    output_mask: tuple[bool, bool] = (False, False),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, grad_hidden, grad_weight) for grad_output = 1; a gradient not asked for is an empty tensor."""
+    acc = accumulation_dtype(hidden.dtype)
+    vocab, width = weight.shape
+    h2 = hidden.reshape(-1, width)
+    lab = labels.reshape(-1).long()
+    rows = h2.shape[0]
+    _check_labels_in_range(lab, vocab, ignore_index)
+    cap = float(softcap) if softcap else 0.0
+    valid_all = lab != ignore_index
+    if reduction == "mean":
+        # A device tensor: no host sync. 0 valid tokens -> NaN loss, as F.cross_entropy(reduction="mean").
+        scale = 1.0 / valid_all.sum().to(acc)
+    else:
+        scale = torch.ones((), dtype=acc, device=hidden.device)
+    want_h, want_w = bool(output_mask[0]), bool(output_mask[1])
+    grad_h = torch.empty(h2.shape, dtype=hidden.dtype, device=hidden.device) if want_h else None
+    grad_w_acc = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+    total = torch.zeros((), dtype=acc, device=hidden.device)
+    step = chunk_rows(rows, vocab, chunk_size)
+    for r0 in range(0, rows, step):
+        r1 = min(r0 + step, rows)
+        h = h2[r0:r1]
+        valid = valid_all[r0:r1]
+        safe = torch.where(valid, lab[r0:r1], 0).unsqueeze(1)
+        z = F.linear(h, weight).to(acc)  # one GEMM in the input dtype, like stock's lm_head
+        if cap:
+            t = torch.tanh(z.div_(cap))  # t kept for the softcap derivative
+            z = t * cap
+        lse = torch.logsumexp(z, dim=-1)
+        picked = z.gather(1, safe).squeeze(1)
+        total = total + torch.where(valid, lse - picked, 0.0).sum()
+        if not (want_h or want_w):
+            continue
+        # d loss_i / d z = softmax(z_i) - onehot(label_i), zero for ignored rows, times the reduction scale.
+        p = z.sub_(lse.unsqueeze(1)).exp_()
+        p.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=acc))
+        p.mul_((valid.to(acc) * scale).unsqueeze(1))
+        if cap:
+            p.mul_(t.mul_(t).neg_().add_(1.0))  # d z / d logits = 1 - tanh^2
+            del t
+        d = p.to(hidden.dtype)
+        del p, z
+        if want_h:
+            torch.mm(d, weight, out=grad_h[r0:r1])
+        if want_w:
+            if acc == hidden.dtype:
+                grad_w_acc.addmm_(d.t(), h)
+            else:
+                grad_w_acc.add_(torch.mm(d.t(), h))  # bf16/fp16 partial per chunk, summed in fp32
+    loss = total * scale
+    empty = hidden.new_empty(0)
+    grad_hidden = grad_h.reshape(hidden.shape) if want_h else empty
+    grad_weight = grad_w_acc.to(weight.dtype) if want_w else weight.new_empty(0)
+    return loss, grad_hidden, grad_weight
+
+
+def _forward_impl(hidden, weight, labels, softcap, ignore_index, reduction, chunk_size, output_mask):
+    _check(hidden, weight, labels, softcap, ignore_index, reduction, chunk_size)
+    return linear_cross_entropy_reference(
+        hidden, weight, labels, softcap, ignore_index, reduction, chunk_size, tuple(output_mask)
+    )
+
+
+def _loss_impl(hidden, weight, labels, softcap=None, ignore_index=-100, reduction="mean", chunk_size=0):
+    _check(hidden, weight, labels, softcap, ignore_index, reduction, chunk_size)
+    return linear_cross_entropy_reference(hidden, weight, labels, softcap, ignore_index, reduction, chunk_size)[0]
+
+
+def _backward_impl(grad_output, grad_hidden, grad_weight, output_mask):
+    torch._check(
+        grad_output.dim() == 0,
+        lambda: f"g4ops.linear_cross_entropy_backward: `grad_output` must be 0-d, got {list(grad_output.shape)}",
+    )
+
+    def scaled(g, wanted):
+        # bf16 * fp32 0-d tensor: computed in fp32, rounded once to g's dtype.
+        return (g * grad_output).to(g.dtype) if wanted else g.new_empty(0)
+
+    return scaled(grad_hidden, output_mask[0]), scaled(grad_weight, output_mask[1])
+
+
+_lib.impl("linear_cross_entropy", _loss_impl, "CompositeExplicitAutograd")
+_lib.impl("linear_cross_entropy_forward", _forward_impl, "CompositeExplicitAutograd")
+_lib.impl("linear_cross_entropy_backward", _backward_impl, "CompositeExplicitAutograd")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fake kernels: exact sizes, strides (contiguous) and dtypes.
+
+
+@torch.library.register_fake("g4ops::linear_cross_entropy", lib=_lib)
+def _loss_fake(hidden, weight, labels, softcap=None, ignore_index=-100, reduction="mean", chunk_size=0):
+    _check(hidden, weight, labels, softcap, ignore_index, reduction, chunk_size)
+    return hidden.new_empty((), dtype=accumulation_dtype(hidden.dtype))
+
+
+@torch.library.register_fake("g4ops::linear_cross_entropy_forward", lib=_lib)
+def _forward_fake(hidden, weight, labels, softcap, ignore_index, reduction, chunk_size, output_mask):
+    _check(hidden, weight, labels, softcap, ignore_index, reduction, chunk_size)
+    loss = hidden.new_empty((), dtype=accumulation_dtype(hidden.dtype))
+    grad_h = hidden.new_empty(hidden.shape) if output_mask[0] else hidden.new_empty(0)
+    grad_w = weight.new_empty(weight.shape) if output_mask[1] else weight.new_empty(0)
+    return loss, grad_h, grad_w
+
+
+@torch.library.register_fake("g4ops::linear_cross_entropy_backward", lib=_lib)
+def _backward_fake(grad_output, grad_hidden, grad_weight, output_mask):
+    return (
+        grad_hidden.new_empty(grad_hidden.shape) if output_mask[0] else grad_hidden.new_empty(0),
+        grad_weight.new_empty(grad_weight.shape) if output_mask[1] else grad_weight.new_empty(0),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autograd: the forward computes the gradients for grad_output = 1 (so no [tokens, vocab] tensor survives the
+# forward); the backward is one registered op that scales them.
+
+
+class _LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, softcap, ignore_index, reduction, chunk_size):
+        mask = [bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1])]
+        loss, grad_h, grad_w = torch.ops.g4ops.linear_cross_entropy_forward(
+            hidden, weight, labels, softcap, ignore_index, reduction, chunk_size, mask
+        )
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.mask = mask
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        grad_h, grad_w = ctx.saved_tensors
+        gh, gw = torch.ops.g4ops.linear_cross_entropy_backward(grad_output, grad_h, grad_w, ctx.mask)
+        return (gh if ctx.mask[0] else None), (gw if ctx.mask[1] else None), None, None, None, None, None
+
+
+_BELOW_AUTOGRAD = torch._C._after_autograd_keyset
+
+
+def _loss_autograd(keyset, hidden, weight, labels, softcap=None, ignore_index=-100, reduction="mean", chunk_size=0):
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropyFunction.apply(hidden, weight, labels, softcap, ignore_index, reduction, chunk_size)
+    return torch.ops.g4ops.linear_cross_entropy.default.redispatch(
+        keyset & _BELOW_AUTOGRAD, hidden, weight, labels, softcap, ignore_index, reduction, chunk_size
+    )
+
+
+_lib.impl("linear_cross_entropy", _loss_autograd, "Autograd", with_keyset=True)
+
+
+# Autocast: like the stock lm_head (an nn.Linear), the GEMMs run in the autocast dtype; the loss stays fp32.
+def _make_autocast(device_type: str, key: str):
+    exclude = torch._C.DispatchKeySet(key)
+
+    def _autocast(hidden, weight, labels, softcap=None, ignore_index=-100, reduction="mean", chunk_size=0):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch._C._ExcludeDispatchKeyGuard(exclude):
+            return torch.ops.g4ops.linear_cross_entropy(
+                hidden.to(dtype), weight.to(dtype), labels, softcap, ignore_index, reduction, chunk_size
+            )
+
+    return _autocast
+
+
+for _device_type, _key in (("cuda", "AutocastCUDA"), ("cpu", "AutocastCPU")):
+    _lib.impl("linear_cross_entropy", _make_autocast(_device_type, _key), _key)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Python API
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    softcap: float | None = 30.0,
+    ignore_index: int = -100,
+    num_items_in_batch: torch.Tensor | int | float | None = None,
+    chunk_size: int = 0,
+) -> torch.Tensor:
+    """Cross-entropy of `softcap * tanh(hidden @ weight.T / softcap)` against `labels`, without materialising the
+    logits. Rows are already aligned (row i predicts labels[i]); shift before calling for causal LM.
+
+    Reduction follows HF's `fixed_cross_entropy`: the mean over non-ignored labels, or, when `num_items_in_batch`
+    is given (a tensor or a number), the sum divided by it (no host sync for a tensor)."""
+    if num_items_in_batch is None:
+        return torch.ops.g4ops.linear_cross_entropy(hidden, weight, labels, softcap, ignore_index, "mean", chunk_size)
+    total = torch.ops.g4ops.linear_cross_entropy(hidden, weight, labels, softcap, ignore_index, "sum", chunk_size)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
