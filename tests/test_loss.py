@@ -1,0 +1,445 @@
+"""g4ops.linear_cross_entropy (fused, chunked, softcapped) and the fused-loss Gemma4ForCausalLM forward.
+
+Oracle: the unfused formula in fp64 (`softcap * tanh(h @ w.T / softcap)`, F.cross_entropy). Tolerances come from
+one table derived from each dtype's epsilon and the reduction length (hidden width for logits, tokens for the
+weight gradient); bf16 is judged against stock's own bf16 error, as design.md section 4 asks.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import g4ops.loss as loss_mod
+from g4ops.loss import linear_cross_entropy
+
+IGNORE = -100
+
+
+def oracle(hidden, weight, labels, softcap, ignore_index=IGNORE, reduction="mean"):
+    """The unfused formula in fp64 (what HF computes, without its bf16 roundings)."""
+    z = hidden.double() @ weight.double().t()
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    return F.cross_entropy(z.reshape(-1, z.shape[-1]), labels.reshape(-1).long(), ignore_index=ignore_index,
+                           reduction=reduction)
+
+
+def oracle_with_grads(hidden, weight, labels, softcap, **kw):
+    h = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    loss = oracle(h, w, labels, softcap, **kw)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    return loss.detach(), gh, gw
+
+
+def stock_bf16_style(hidden, weight, labels, softcap):
+    """What transformers does for Gemma-4: lm_head in the model dtype, softcap in that dtype, then .float()."""
+    logits = F.linear(hidden, weight)
+    logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+
+
+def tolerance(dtype: torch.dtype, reduction_len: int) -> float:
+    """Relative error allowed against fp64: a few roundings of the dtype, growing with sqrt(reduction length)."""
+    return 8.0 * torch.finfo(dtype).eps * math.sqrt(reduction_len)
+
+
+def rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def make_inputs(n, h, v, dtype=torch.float32, seed=0, ignore_frac=0.2, lead=None):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*(lead or (n,)), h, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=gen, dtype=torch.float64) * (2.0 / math.sqrt(h))
+    labels = torch.randint(0, v, hidden.shape[:-1], generator=gen)
+    drop = torch.rand(labels.shape, generator=gen) < ignore_frac
+    labels[drop] = IGNORE
+    return hidden.to(dtype), weight.to(dtype), labels
+
+
+def run_ours(hidden, weight, labels, softcap, chunk_size=0, num_items=None):
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    loss = linear_cross_entropy(h, w, labels, softcap, IGNORE, num_items, chunk_size)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Against the fp64 oracle
+
+
+@pytest.mark.parametrize("chunk_size", [0, 1, 7, 64])
+@pytest.mark.parametrize("softcap", [30.0, 2.0, None])
+def test_fp32_matches_fp64_oracle(chunk_size, softcap):
+    n, h, v = 53, 48, 307  # odd sizes on purpose; chunk 7 leaves a ragged last chunk
+    hidden, weight, labels = make_inputs(n, h, v)
+    loss, gh, gw = run_ours(hidden, weight, labels, softcap, chunk_size)
+    ref_loss, ref_gh, ref_gw = oracle_with_grads(hidden, weight, labels, softcap)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert gh.dtype == hidden.dtype and gw.dtype == weight.dtype
+    assert rel_err(loss, ref_loss) < tolerance(torch.float32, h)
+    assert rel_err(gh, ref_gh) < tolerance(torch.float32, h)
+    assert rel_err(gw, ref_gw) < tolerance(torch.float32, n)
+
+
+def test_leading_dims_and_strided_hidden():
+    hidden, weight, labels = make_inputs(0, 32, 101, lead=(3, 11))
+    strided = hidden.transpose(0, 1).contiguous().transpose(0, 1)  # same values, non-contiguous
+    assert not strided.is_contiguous()
+    loss, gh, gw = run_ours(strided, weight, labels, 30.0, chunk_size=5)
+    ref_loss, ref_gh, ref_gw = oracle_with_grads(hidden, weight, labels, 30.0)
+    assert gh.shape == hidden.shape
+    assert rel_err(loss, ref_loss) < tolerance(torch.float32, 32)
+    assert rel_err(gh, ref_gh) < tolerance(torch.float32, 32)
+    assert rel_err(gw, ref_gw) < tolerance(torch.float32, 33)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_no_worse_than_stock(dtype):
+    """bf16/fp16: our error against fp64 (same rounded inputs) is at most stock's (lm_head + softcap in the model
+    dtype, then .float()), with a small margin, for the loss and both gradients, across several chunks."""
+    n, h, v = 96, 64, 509
+    hidden, weight, labels = make_inputs(n, h, v, dtype=dtype, seed=3)
+    hidden = hidden * 3  # logits of order 10-30: the softcap matters
+    ref_loss, ref_gh, ref_gw = oracle_with_grads(hidden, weight, labels, 30.0)
+    loss, gh, gw = run_ours(hidden, weight, labels, 30.0, chunk_size=24)
+    hs = hidden.detach().clone().requires_grad_()
+    ws = weight.detach().clone().requires_grad_()
+    stock = stock_bf16_style(hs, ws, labels, 30.0)
+    stock.backward()
+    for ours, theirs, ref in ((loss, stock.detach(), ref_loss), (gh, hs.grad, ref_gh), (gw, ws.grad, ref_gw)):
+        assert rel_err(ours, ref) <= 1.1 * rel_err(theirs, ref) + torch.finfo(dtype).eps
+
+
+def test_ignore_index_rows_get_no_gradient_and_do_not_count():
+    hidden, weight, labels = make_inputs(20, 16, 40, ignore_frac=0.0)
+    labels[::3] = IGNORE
+    loss, gh, _ = run_ours(hidden, weight, labels, 30.0, chunk_size=6)
+    assert torch.all(gh[::3] == 0)
+    keep = labels != IGNORE
+    sub, _, _ = run_ours(hidden[keep], weight, labels[keep], 30.0)
+    torch.testing.assert_close(loss, sub, rtol=1e-6, atol=1e-6)
+
+
+def test_custom_ignore_index():
+    hidden, weight, labels = make_inputs(20, 16, 40, ignore_frac=0.0)
+    labels[:5] = 7  # token 7 plays the ignored id
+    h = hidden.clone().requires_grad_()
+    loss = torch.ops.g4ops.linear_cross_entropy(h, weight, labels, 30.0, 7, "mean", 4)
+    ref = oracle(hidden, weight, labels, 30.0, ignore_index=7)
+    assert rel_err(loss, ref) < tolerance(torch.float32, 16)
+
+
+def test_all_ignored_is_nan_like_cross_entropy():
+    hidden, weight, labels = make_inputs(8, 16, 40)
+    labels[:] = IGNORE
+    loss, _, _ = run_ours(hidden, weight, labels, 30.0)
+    assert torch.isnan(loss) and torch.isnan(oracle(hidden, weight, labels, 30.0))
+    total = torch.ops.g4ops.linear_cross_entropy(hidden, weight, labels, 30.0, IGNORE, "sum", 0)
+    assert total.item() == 0.0
+
+
+def test_sum_and_num_items_in_batch():
+    hidden, weight, labels = make_inputs(30, 16, 40)
+    ref_sum = oracle(hidden, weight, labels, 30.0, reduction="sum")
+    total = torch.ops.g4ops.linear_cross_entropy(hidden, weight, labels, 30.0, IGNORE, "sum", 7)
+    assert rel_err(total, ref_sum) < tolerance(torch.float32, 16)
+    for num_items in (torch.tensor(50), 50, 50.0):
+        loss, gh, gw = run_ours(hidden, weight, labels, 30.0, chunk_size=7, num_items=num_items)
+        h = hidden.double().requires_grad_()
+        w = weight.double().requires_grad_()
+        ref = oracle(h, w, labels, 30.0, reduction="sum") / 50
+        ref.backward()
+        assert rel_err(loss, ref) < tolerance(torch.float32, 16)
+        assert rel_err(gh, h.grad) < tolerance(torch.float32, 16)
+        assert rel_err(gw, w.grad) < tolerance(torch.float32, 30)
+
+
+def test_grad_output_scaling_and_partial_grads():
+    hidden, weight, labels = make_inputs(25, 16, 40)
+    h = hidden.clone().requires_grad_()
+    (linear_cross_entropy(h, weight, labels, 30.0, chunk_size=4) * -0.37).backward()  # weight frozen (LoRA case)
+    hd = hidden.double().requires_grad_()
+    (oracle(hd, weight, labels, 30.0) * -0.37).backward()
+    assert rel_err(h.grad, hd.grad) < tolerance(torch.float32, 16)
+    w = weight.clone().requires_grad_()
+    linear_cross_entropy(hidden, w, labels, 30.0).backward()  # hidden without grad
+    assert w.grad is not None and w.grad.shape == weight.shape
+
+
+def test_no_grad_path_and_int32_labels():
+    hidden, weight, labels = make_inputs(25, 16, 40)
+    with torch.no_grad():
+        a = linear_cross_entropy(hidden.requires_grad_(), weight, labels.int(), 30.0)
+    assert a.grad_fn is None
+    assert rel_err(a, oracle(hidden, weight, labels, 30.0)) < tolerance(torch.float32, 16)
+
+
+def test_memory_light_saved_tensors():
+    """Nothing of size [tokens, vocab] survives the forward: only the two gradients are saved for backward."""
+    n, h, v = 64, 16, 1000
+    hidden, weight, labels = make_inputs(n, h, v)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        loss = linear_cross_entropy(hidden, weight, labels, 30.0, chunk_size=16)
+    assert sum(saved) <= n * h + v * h
+    loss.backward()
+
+
+def test_autocast_cpu_bf16():
+    hidden, weight, labels = make_inputs(20, 16, 40)
+    h = hidden.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(h, weight, labels, 30.0)
+    loss.backward()
+    assert loss.dtype == torch.float32 and h.grad.dtype == torch.float32
+    assert rel_err(loss, oracle(hidden.bfloat16(), weight.bfloat16(), labels, 30.0)) < tolerance(torch.bfloat16, 16)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 40), h=st.integers(1, 24), v=st.integers(2, 90), chunk=st.integers(0, 9),
+    softcap=st.sampled_from([None, 0.0, 1.0, 30.0]), ignore_frac=st.floats(0.0, 0.9), seed=st.integers(0, 999),
+)
+def test_property_fp32_vs_oracle(n, h, v, chunk, softcap, ignore_frac, seed):
+    hidden, weight, labels = make_inputs(n, h, v, seed=seed, ignore_frac=ignore_frac)
+    labels[0] = 0  # at least one counted row: the all-ignored NaN case has its own test
+    loss, gh, gw = run_ours(hidden, weight, labels, softcap, chunk)
+    ref_loss, ref_gh, ref_gw = oracle_with_grads(hidden, weight, labels, softcap)
+    # lse - z[label] cancels: the loss error scales with the logits' size, not the loss's
+    logit_scale = 1.0 + (hidden.double() @ weight.double().t()).abs().max().item()
+    assert abs(loss.item() - ref_loss.item()) <= tolerance(torch.float32, h + 8) * logit_scale
+    # softmax - onehot cancels too: d loss / d logits is bounded by 1/count per entry, so the gradients' error
+    # scales with |weight| / count (hidden) and |hidden| (weight), not with the gradients' own size
+    count = int((labels != IGNORE).sum())
+    scale_h = 2.0 * weight.abs().max().item() / count
+    scale_w = 2.0 * hidden.abs().max().item()
+    assert (gh.double() - ref_gh).abs().max() <= tolerance(torch.float32, h + 8) * (ref_gh.abs().max() + scale_h)
+    assert (gw.double() - ref_gw).abs().max() <= tolerance(torch.float32, n + 8) * (ref_gw.abs().max() + scale_w)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Registration: opcheck, gradcheck, torch.compile
+
+
+def _opcheck_args(requires_grad):
+    hidden, weight, labels = make_inputs(13, 8, 21)
+    return hidden.requires_grad_(requires_grad), weight.requires_grad_(requires_grad), labels
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+@pytest.mark.parametrize("softcap,reduction,chunk", [(30.0, "mean", 4), (None, "sum", 0)])
+def test_opcheck_public_op(requires_grad, softcap, reduction, chunk):
+    hidden, weight, labels = _opcheck_args(requires_grad)
+    torch.library.opcheck(
+        torch.ops.g4ops.linear_cross_entropy.default, (hidden, weight, labels, softcap, IGNORE, reduction, chunk)
+    )
+
+
+def test_opcheck_internal_ops():
+    hidden, weight, labels = _opcheck_args(False)
+    for mask in ([True, True], [True, False], [False, True]):
+        torch.library.opcheck(
+            torch.ops.g4ops.linear_cross_entropy_forward.default,
+            (hidden, weight, labels, 30.0, IGNORE, "mean", 5, mask),
+        )
+        _, gh, gw = torch.ops.g4ops.linear_cross_entropy_forward(hidden, weight, labels, 30.0, IGNORE, "mean", 5, mask)
+        torch.library.opcheck(
+            torch.ops.g4ops.linear_cross_entropy_backward.default, (torch.tensor(0.5), gh, gw, mask)
+        )
+
+
+@pytest.mark.parametrize("softcap", [3.0, None])
+def test_gradcheck_fp64(softcap):
+    hidden, weight, labels = make_inputs(9, 5, 11, dtype=torch.float64, seed=7)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda h, w: linear_cross_entropy(h, w, labels, softcap, chunk_size=4), (hidden, weight)
+    )
+
+
+def test_compile_fullgraph_no_graph_break():
+    hidden, weight, labels = make_inputs(24, 16, 50)
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+
+    def step(h, w):
+        return linear_cross_entropy(h * 1.5, w, labels, 30.0, chunk_size=8) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled(h, w).backward()
+    h2 = hidden.clone().requires_grad_()
+    w2 = weight.clone().requires_grad_()
+    step(h2, w2).backward()
+    torch.testing.assert_close(h.grad, h2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad input: a clear error naming the argument
+
+
+def test_bad_inputs_name_the_argument():
+    hidden, weight, labels = make_inputs(6, 8, 10)
+    op = torch.ops.g4ops.linear_cross_entropy
+    cases = [
+        ((hidden.long(), weight, labels, 30.0, IGNORE, "mean", 0), "`hidden`"),
+        ((hidden, weight.int(), labels, 30.0, IGNORE, "mean", 0), "`weight`"),
+        ((hidden, weight, labels.float(), 30.0, IGNORE, "mean", 0), "`labels`"),
+        ((hidden, weight[:, :5], labels, 30.0, IGNORE, "mean", 0), "`weight`"),
+        ((hidden, weight.double(), labels, 30.0, IGNORE, "mean", 0), "`weight`"),
+        ((hidden, weight, labels[:4], 30.0, IGNORE, "mean", 0), "`labels`"),
+        ((hidden, weight, labels, -1.0, IGNORE, "mean", 0), "`softcap`"),
+        ((hidden, weight, labels, 30.0, IGNORE, "max", 0), "`reduction`"),
+        ((hidden, weight, labels, 30.0, IGNORE, "mean", -2), "`chunk_size`"),
+        ((hidden, weight.to("meta"), labels, 30.0, IGNORE, "mean", 0), "`weight`"),
+    ]
+    for args, name in cases:
+        with pytest.raises((RuntimeError, TypeError, ValueError, IndexError), match=name):
+            op(*args)
+    bad = labels.clone()
+    bad[2] = 10  # == vocab
+    with pytest.raises(IndexError, match="`labels`"):
+        op(hidden, weight, bad, 30.0, IGNORE, "mean", 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The fused-loss Gemma4ForCausalLM forward vs stock (tiny E4B-shaped model, fp32)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from g4ops.models import build_model
+
+    return build_model("tiny-e4b").train()
+
+
+def _batch(seed=1, b=2, t=12, vocab=512):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (b, t), generator=gen)
+    labels = ids.clone()
+    labels[0, :4] = IGNORE  # a masked prompt
+    labels[1, -2:] = IGNORE  # padding
+    return ids, labels
+
+
+def _loss_and_grads(model, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(**kw)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out, grads
+
+
+def _patched(model):
+    from transformers import Gemma4ForCausalLM
+
+    from g4ops.hf_loss import make_causal_lm_forward
+
+    model.forward = types.MethodType(make_causal_lm_forward(Gemma4ForCausalLM.forward), model)
+    return model
+
+
+def _unpatched(model):
+    model.__dict__.pop("forward", None)
+    return model
+
+
+@pytest.mark.parametrize("extra", [{}, {"num_items_in_batch": torch.tensor(9)}, {"ignore_index": 5}])
+def test_hf_fused_forward_matches_stock(tiny, extra):
+    ids, labels = _batch()
+    if "ignore_index" in extra:
+        labels = torch.where(labels == IGNORE, 5, labels)
+    stock_out, stock_grads = _loss_and_grads(_unpatched(tiny), input_ids=ids, labels=labels, **extra)
+    try:
+        out, grads = _loss_and_grads(_patched(tiny), input_ids=ids, labels=labels, **extra)
+    finally:
+        _unpatched(tiny)
+    assert out.logits is None and stock_out.logits is not None
+    assert type(out) is type(stock_out)
+    torch.testing.assert_close(out.loss, stock_out.loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == stock_grads.keys()
+    assert "model.embed_tokens.weight" in grads  # tied with lm_head: gets both contributions
+    for name, g in grads.items():
+        ref = stock_grads[name]
+        assert rel_err(g, ref) < 1e-4, name
+
+
+def test_hf_fused_forward_shift_labels_and_tuple_output(tiny):
+    ids, labels = _batch(seed=2)
+    shift = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+    try:
+        _patched(tiny)
+        a = tiny(input_ids=ids, labels=labels).loss
+        b = tiny(input_ids=ids, labels=labels, shift_labels=shift).loss
+        c = tiny(input_ids=ids, labels=labels, return_dict=False)
+    finally:
+        _unpatched(tiny)
+    torch.testing.assert_close(a, b)
+    assert isinstance(c, tuple) and torch.equal(c[0], a)
+
+
+def test_hf_fused_forward_falls_back_to_stock(tiny):
+    """No labels, eval mode, or a hooked lm_head: the stock forward runs (same logits, logits present)."""
+    ids, labels = _batch(seed=3)
+    with torch.no_grad():
+        stock_logits = _unpatched(tiny)(input_ids=ids).logits
+        try:
+            _patched(tiny)
+            assert torch.equal(tiny(input_ids=ids).logits, stock_logits)
+            tiny.eval()
+            out = tiny(input_ids=ids, labels=labels)
+            assert out.logits is not None and out.loss is not None
+            tiny.train()
+            handle = tiny.lm_head.register_forward_hook(lambda *a: None)
+            try:
+                out = tiny(input_ids=ids, labels=labels)
+            finally:
+                handle.remove()
+            assert out.logits is not None
+        finally:
+            tiny.train()
+            _unpatched(tiny)
+
+
+def test_hf_fused_forward_chunked_matches(tiny, monkeypatch):
+    """Force several chunks (24 tokens, chunks of 5 rows) through the model path too."""
+    monkeypatch.setattr(loss_mod, "CHUNK_LOGITS", 5 * 512)
+    ids, labels = _batch(seed=4)
+    stock_out, stock_grads = _loss_and_grads(_unpatched(tiny), input_ids=ids, labels=labels)
+    try:
+        out, grads = _loss_and_grads(_patched(tiny), input_ids=ids, labels=labels)
+    finally:
+        _unpatched(tiny)
+    torch.testing.assert_close(out.loss, stock_out.loss, rtol=1e-5, atol=1e-6)
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"):
+        assert rel_err(grads[name], stock_grads[name]) < 1e-4, name
+
+
+def test_enable_installs_fused_loss(tiny):
+    """Through the public switch: g4ops.enable(model) patches the loss forward too, disable restores it."""
+    import g4ops
+
+    ids, labels = _batch(seed=5)
+    stock_out, stock_grads = _loss_and_grads(tiny, input_ids=ids, labels=labels)
+    with g4ops.enable(tiny):
+        out, grads = _loss_and_grads(tiny, input_ids=ids, labels=labels)
+    assert not g4ops.is_enabled(tiny)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, stock_out.loss, rtol=1e-5, atol=1e-6)
+    assert rel_err(grads["model.embed_tokens.weight"], stock_grads["model.embed_tokens.weight"]) < 1e-4
