@@ -92,7 +92,8 @@ def build(verbose: bool = False) -> str:
                 raise KernelBuildError(f"no .cpp/.cu sources in {CSRC_DIR}")
             arch = _arch_list()
             os.environ["TORCH_CUDA_ARCH_LIST"] = arch
-            tag = build_tag(sources, arch)
+            headers = sorted(p for p in CSRC_DIR.iterdir() if p.suffix in (".h", ".cuh"))
+            tag = build_tag(sources + headers, arch)  # headers too: an edited .cuh must rebuild
             build_dir = cache_dir() / tag
             build_dir.mkdir(parents=True, exist_ok=True)
             library = cpp_extension.load(

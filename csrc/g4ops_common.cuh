@@ -1,0 +1,242 @@
+// g4ops_common.cuh: the one dtype-dispatch header and the device helpers every g4ops kernel file shares.
+//
+// Semantics: nothing here launches anything. It maps ATen dtypes to CUDA's native element types (torch builds
+// extensions with __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__, so all conversions below are
+// explicit intrinsics, round-to-nearest-even like c10's casts), gives 16-byte vector loads, warp reductions, and a
+// row indexer that turns a row number of a strided tensor (last dim contiguous) into an element offset.
+// Valid C++17 (the GPU image's torch 2.11 builds with its default standard) and C++20 (torch 2.14 headers).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace g4ops {
+
+// ---------------------------------------------------------------------------------------------------------------
+// dtype dispatch. The body is a lambda; inside it `scalar_t` is the native CUDA element type.
+
+#define G4OPS_DISPATCH_CASE(ENUM, TYPE, ...) \
+  case ENUM: {                               \
+    using scalar_t = TYPE;                   \
+    __VA_ARGS__();                           \
+    break;                                   \
+  }
+
+// float16, bfloat16, float32 (the kernels' dtypes; float64 takes the ATen path in each op).
+#define G4OPS_DISPATCH_HALF_BF16_FLOAT(DTYPE, NAME, ...)                                               \
+  [&] {                                                                                                \
+    switch (DTYPE) {                                                                                   \
+      G4OPS_DISPATCH_CASE(at::ScalarType::Half, __half, __VA_ARGS__)                                   \
+      G4OPS_DISPATCH_CASE(at::ScalarType::BFloat16, __nv_bfloat16, __VA_ARGS__)                        \
+      G4OPS_DISPATCH_CASE(at::ScalarType::Float, float, __VA_ARGS__)                                   \
+      default:                                                                                         \
+        TORCH_CHECK(false, NAME, ": no CUDA kernel for dtype ", DTYPE);                                \
+    }                                                                                                  \
+  }()
+
+// ... plus float64 (elementwise kernels, whose math is in the accumulation type).
+#define G4OPS_DISPATCH_FLOATING(DTYPE, NAME, ...)                                                      \
+  [&] {                                                                                                \
+    switch (DTYPE) {                                                                                   \
+      G4OPS_DISPATCH_CASE(at::ScalarType::Half, __half, __VA_ARGS__)                                   \
+      G4OPS_DISPATCH_CASE(at::ScalarType::BFloat16, __nv_bfloat16, __VA_ARGS__)                        \
+      G4OPS_DISPATCH_CASE(at::ScalarType::Float, float, __VA_ARGS__)                                   \
+      G4OPS_DISPATCH_CASE(at::ScalarType::Double, double, __VA_ARGS__)                                 \
+      default:                                                                                         \
+        TORCH_CHECK(false, NAME, ": no CUDA kernel for dtype ", DTYPE);                                \
+    }                                                                                                  \
+  }()
+
+// float16 and bfloat16 only (the decode GEMV).
+#define G4OPS_DISPATCH_HALF_BF16(DTYPE, NAME, ...)                                                     \
+  [&] {                                                                                                \
+    switch (DTYPE) {                                                                                   \
+      G4OPS_DISPATCH_CASE(at::ScalarType::Half, __half, __VA_ARGS__)                                   \
+      G4OPS_DISPATCH_CASE(at::ScalarType::BFloat16, __nv_bfloat16, __VA_ARGS__)                        \
+      default:                                                                                         \
+        TORCH_CHECK(false, NAME, ": no CUDA kernel for dtype ", DTYPE);                                \
+    }                                                                                                  \
+  }()
+
+// ---------------------------------------------------------------------------------------------------------------
+// Element conversions (explicit intrinsics; RNE on the way down).
+
+template <typename T> struct AccType { using type = float; };
+template <> struct AccType<double> { using type = double; };
+
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+
+// Accumulation-type conversions (float for 16/32-bit types, double for double).
+template <typename A> __device__ __forceinline__ A to_acc(__half v) { return A(__half2float(v)); }
+template <typename A> __device__ __forceinline__ A to_acc(__nv_bfloat16 v) { return A(__bfloat162float(v)); }
+template <typename A> __device__ __forceinline__ A to_acc(float v) { return A(v); }
+template <typename A> __device__ __forceinline__ A to_acc(double v) { return A(v); }
+
+template <typename T, typename A> __device__ __forceinline__ T from_acc(A v) { return from_float<T>(v); }
+template <> __device__ __forceinline__ double from_acc<double, double>(double v) { return v; }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Vectors: N elements of T, aligned to their size (16 bytes for the widths the kernels pick).
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
+  return *reinterpret_cast<const Vec<T, N>*>(p);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
+  *reinterpret_cast<Vec<T, N>*>(p) = v;
+}
+
+// 16-byte load of data read exactly once (weights in the GEMV): keep it out of L1 so the activations stay there.
+__device__ __forceinline__ uint4 load_stream16(const void* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+// 8 packed 16-bit values -> 8 floats.
+__device__ __forceinline__ void unpack8(const uint4& r, float (&f)[8], __nv_bfloat16) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 t = __bfloat1622float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+__device__ __forceinline__ void unpack8(const uint4& r, float (&f)[8], __half) {
+  const __half2* h = reinterpret_cast<const __half2*>(&r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 t = __half22float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Reductions.
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float2 warp_sum(float2 v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    v.x += __shfl_xor_sync(0xffffffffu, v.x, o);
+    v.y += __shfl_xor_sync(0xffffffffu, v.y, o);
+  }
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Row indexer: the leading dims of a tensor whose last dim is contiguous, coalesced to at most kMaxRowDims dims.
+// offset(row) is the element offset of the row-major `row`-th row. A q/k-norm view [B, S, H, D] with any strides
+// needs at most 3 leading dims.
+
+constexpr int kMaxRowDims = 4;
+
+struct RowIndexer {
+  int ndim;                    // number of leading dims after coalescing (0 means a single row)
+  int64_t size[kMaxRowDims];   // innermost last
+  int64_t stride[kMaxRowDims]; // in elements
+
+  __device__ __forceinline__ int64_t offset(int64_t row) const {
+    if (ndim == 1) return row * stride[0];
+    int64_t off = 0;
+#pragma unroll
+    for (int d = kMaxRowDims - 1; d >= 0; --d) {
+      if (d < ndim) {
+        off += (row % size[d]) * stride[d];
+        row /= size[d];
+      }
+    }
+    return off;
+  }
+};
+
+// Builds the indexer for `t` (last dim contiguous, checked by the caller). Returns false when more than
+// kMaxRowDims leading dims remain after dropping size-1 dims and merging dims that are laid out contiguously;
+// the caller then uses t.contiguous().
+inline bool make_row_indexer(const at::Tensor& t, RowIndexer& ri) {
+  int64_t sizes[64], strides[64];
+  int n = 0;
+  // outermost -> innermost leading dims, skipping size-1 dims
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    if (t.size(d) == 1) continue;
+    sizes[n] = t.size(d);
+    strides[n] = t.stride(d);
+    ++n;
+  }
+  // merge from the inside out: dim i-1 folds into dim i when stride[i-1] == size[i] * stride[i]
+  int64_t ms[64], mst[64];
+  int m = 0;
+  for (int i = n - 1; i >= 0; --i) {
+    if (m > 0 && strides[i] == ms[m - 1] * mst[m - 1]) {
+      ms[m - 1] *= sizes[i];
+    } else {
+      ms[m] = sizes[i];
+      mst[m] = strides[i];
+      ++m;
+    }
+  }
+  if (m > kMaxRowDims) return false;
+  ri.ndim = m;
+  // ms/mst are innermost first; the indexer wants innermost last
+  for (int i = 0; i < m; ++i) {
+    ri.size[i] = ms[m - 1 - i];
+    ri.stride[i] = mst[m - 1 - i];
+  }
+  for (int i = m; i < kMaxRowDims; ++i) {
+    ri.size[i] = 1;
+    ri.stride[i] = 0;
+  }
+  if (m == 0) {  // a single row: offset(0) must be 0 through the ndim == 1 fast path
+    ri.ndim = 1;
+    ri.size[0] = 1;
+    ri.stride[0] = 0;
+  }
+  return true;
+}
+
+// Every leading stride a multiple of `vec` elements (16-byte vector rows stay aligned).
+inline bool row_strides_multiple_of(const RowIndexer& ri, int64_t vec) {
+  for (int i = 0; i < ri.ndim; ++i)
+    if (ri.stride[i] % vec != 0) return false;
+  return true;
+}
+
+inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+inline const char* dtype_name(at::ScalarType t) { return c10::toString(t); }
+
+}  // namespace g4ops

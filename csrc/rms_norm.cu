@@ -1,0 +1,534 @@
+// rms_norm.cu: CUDA kernels for g4ops::rms_norm and g4ops::rms_norm_backward.
+//
+// Semantics (the contract is g4ops/reference.py; design.md section 4):
+//   forward   y[r, :] = cast( (x32[r, :] * inv_r) * w32 ),  inv_r = rsqrt(sum_k x32[r, k]^2 * (1/N) + eps)
+//             (torch's CUDA pow(t, -0.5) is rsqrt, so this matches reference.py run on CUDA up to summation order;
+//             fp32 math, one rounding to x.dtype; no weight -> no multiply).
+//   backward  dyw = dy32 * w32 (or dy32), xhat = x32 * inv_r, m_r = inv_r * sum_k(dyw * x32) * (1/N)
+//             dx = cast( inv_r * (dyw - xhat * m_r) )
+//             dw = cast_to_weight_dtype( sum_r dy32 * xhat ), reduced in fp32 deterministically: every CTA owns a
+//             fixed set of rows (grid-stride) and writes its column partials to a [P, N] fp32 buffer; a second
+//             kernel sums the P partials per column in a fixed order. No atomics: two runs are bitwise equal.
+// Outputs are fresh contiguous tensors; every element of y / dx / dw is assigned (never accumulated into).
+// x and grad_out may be strided: rows are addressed through a RowIndexer when the last dim is contiguous, else
+// the tensor is made contiguous first. float64 (gradcheck) and rows too wide for the register-cached kernels
+// (N > 8192 vectors) use the same math through ATen ops.
+// Each thread caches its share of the row in registers (ITEMS vectors of VEC elements), so x is read once.
+
+#include "g4ops_common.cuh"
+
+#include <torch/library.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+
+namespace g4ops {
+namespace {
+
+constexpr int kMaxThreadsPerRow = 1024;
+
+// Block reduction of a float2 over the blockDim.x threads of one row. With blockDim.x == 32 (warp per row, several
+// rows per block) it never touches shared memory or __syncthreads, so warps may leave early independently.
+// `buf` has 32 float2; callers that reduce more than once per block alternate two buffers.
+__device__ __forceinline__ float2 row_sum(float2 v, float2* buf) {
+  v = warp_sum(v);
+  if (blockDim.x == 32) return v;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) buf[warp] = v;
+  __syncthreads();
+  float2 t = make_float2(0.f, 0.f);
+  const int nwarps = blockDim.x >> 5;
+  for (int i = 0; i < nwarps; ++i) {  // same order in every thread: identical totals
+    t.x += buf[i].x;
+    t.y += buf[i].y;
+  }
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Forward. Block = (tpr threads per row, rpb rows); rpb > 1 only when tpr == 32.
+template <typename T, typename WT, int VEC, int ITEMS>
+__global__ void rms_norm_fwd_kernel(const T* __restrict__ x,   // [rows, N] addressed through xi
+                                    RowIndexer xi,
+                                    const WT* __restrict__ w,  // [N] or nullptr
+                                    T* __restrict__ y,         // [rows, N] contiguous
+                                    int64_t rows, int N, float eps, float inv_n) {
+  __shared__ float2 buf[32];
+  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (row >= rows) return;  // only with rpb > 1, where there is no block-wide barrier
+  const int tid = threadIdx.x, tpr = blockDim.x;
+  const int nvec = N / VEC;
+  const T* xr = x + xi.offset(row);
+
+  Vec<T, VEC> xv[ITEMS];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int c = i * tpr + tid;
+    if (c < nvec) xv[i] = load_vec<T, VEC>(xr + int64_t(c) * VEC);
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int c = i * tpr + tid;
+    if (c < nvec) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float f = to_float(xv[i].v[k]);
+        ss += f * f;
+      }
+    }
+  }
+  const float total = row_sum(make_float2(ss, 0.f), buf).x;
+  const float inv = rsqrtf(total * inv_n + eps);
+
+  T* yr = y + row * N;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int c = i * tpr + tid;
+    if (c < nvec) {
+      Vec<T, VEC> out;
+      if (w != nullptr) {
+        const Vec<WT, VEC> wv = load_vec<WT, VEC>(w + int64_t(c) * VEC);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) out.v[k] = from_float<T>((to_float(xv[i].v[k]) * inv) * to_float(wv.v[k]));
+      } else {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) out.v[k] = from_float<T>(to_float(xv[i].v[k]) * inv);
+      }
+      store_vec<T, VEC>(yr + int64_t(c) * VEC, out);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Backward. Persistent over rows (grid-stride by row groups) so that each CTA's weight-gradient partial covers a
+// fixed, deterministic set of rows.
+template <typename T, typename WT, int VEC, int ITEMS>
+__global__ void rms_norm_bwd_kernel(const T* __restrict__ dy,          // [rows, N] addressed through di
+                                    RowIndexer di,
+                                    const T* __restrict__ x,           // [rows, N] addressed through xi
+                                    RowIndexer xi,
+                                    const WT* __restrict__ w,          // [N] or nullptr
+                                    T* __restrict__ dx,                // [rows, N] contiguous
+                                    float* __restrict__ dw_partial,    // [gridDim.x * blockDim.y, N] or nullptr
+                                    int64_t rows, int N, float eps, float inv_n) {
+  __shared__ float2 buf[2][32];
+  const int tid = threadIdx.x, tpr = blockDim.x, rpb = blockDim.y;
+  const int nvec = N / VEC;
+  float wacc[ITEMS][VEC];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) wacc[i][k] = 0.f;
+
+  int parity = 0;
+  for (int64_t group = blockIdx.x; group * rpb < rows; group += gridDim.x, parity ^= 1) {
+    const int64_t row = group * rpb + threadIdx.y;
+    if (row >= rows) continue;  // only with rpb > 1 (warp-only reductions)
+    const T* xr = x + xi.offset(row);
+    const T* dr = dy + di.offset(row);
+    Vec<T, VEC> xv[ITEMS], dv[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int c = i * tpr + tid;
+      if (c < nvec) {
+        xv[i] = load_vec<T, VEC>(xr + int64_t(c) * VEC);
+        dv[i] = load_vec<T, VEC>(dr + int64_t(c) * VEC);
+      }
+    }
+    float ss = 0.f, sdx = 0.f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int c = i * tpr + tid;
+      if (c < nvec) {
+        Vec<WT, VEC> wv;
+        if (w != nullptr) wv = load_vec<WT, VEC>(w + int64_t(c) * VEC);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float xf = to_float(xv[i].v[k]);
+          const float g = w != nullptr ? to_float(dv[i].v[k]) * to_float(wv.v[k]) : to_float(dv[i].v[k]);
+          ss += xf * xf;
+          sdx += g * xf;
+        }
+      }
+    }
+    const float2 tot = row_sum(make_float2(ss, sdx), buf[parity]);
+    const float inv = rsqrtf(tot.x * inv_n + eps);
+    const float m = (tot.y * inv) * inv_n;  // mean(dyw * xhat)
+
+    T* dxr = dx + row * N;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int c = i * tpr + tid;
+      if (c < nvec) {
+        Vec<WT, VEC> wv;
+        if (w != nullptr) wv = load_vec<WT, VEC>(w + int64_t(c) * VEC);
+        Vec<T, VEC> out;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float xhat = to_float(xv[i].v[k]) * inv;
+          const float d = to_float(dv[i].v[k]);
+          const float g = w != nullptr ? d * to_float(wv.v[k]) : d;
+          out.v[k] = from_float<T>(inv * (g - xhat * m));
+          wacc[i][k] += d * xhat;
+        }
+        store_vec<T, VEC>(dxr + int64_t(c) * VEC, out);
+      }
+    }
+  }
+
+  if (dw_partial != nullptr) {
+    float* pr = dw_partial + (int64_t(blockIdx.x) * rpb + threadIdx.y) * N;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int c = i * tpr + tid;
+      if (c < nvec) {
+        Vec<float, VEC> o;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) o.v[k] = wacc[i][k];
+        store_vec<float, VEC>(pr + int64_t(c) * VEC, o);
+      }
+    }
+  }
+}
+
+// Second pass of the weight gradient: dw[n] = sum_p partial[p, n] in a fixed order. Block (32 columns, 16 slices
+// of p); each slice sums a strided subset of p, then slice sums are added in slice order.
+template <typename OT>
+__global__ void reduce_partials_kernel(const float* __restrict__ partial,  // [P, N]
+                                       OT* __restrict__ out,               // [N]
+                                       int P, int N) {
+  __shared__ float s[16][33];
+  const int n = blockIdx.x * 32 + threadIdx.x;
+  float acc = 0.f;
+  if (n < N)
+    for (int p = threadIdx.y; p < P; p += 16) acc += partial[int64_t(p) * N + n];
+  s[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && n < N) {
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) t += s[i][threadIdx.x];
+    out[n] = from_float<OT>(t);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Launch configuration.
+
+// Resident blocks per SM for (kernel, block size, device), queried once and cached: the persistent backward grid
+// (and so the partial-sum layout) is a pure function of the device, which keeps the weight gradient deterministic.
+int blocks_per_sm(const void* kernel, int threads) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int>, int> cache;
+  const int dev = at::cuda::current_device();
+  const auto key = std::make_tuple(kernel, threads, dev);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int n = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
+  cache.emplace(key, n);
+  return n;
+}
+
+struct RowConfig {
+  int vec;     // elements per vector (1 = scalar path)
+  int items;   // vectors cached per thread
+  int tpr;     // threads per row
+  int rpb;     // rows per block
+};
+
+// max_items: the largest ITEMS the vector path is instantiated with (the scalar path always uses 8).
+// Returns false when the row is too wide for the register-cached kernels.
+bool pick_config(int N, int vec, int max_items, RowConfig& cfg) {
+  cfg.vec = vec;
+  const int nvec = N / vec;
+  if (vec == 1) {
+    cfg.items = 8;
+    const int need = (nvec + 7) / 8;
+    if (need > kMaxThreadsPerRow) return false;
+    cfg.tpr = std::max(32, (need + 31) / 32 * 32);
+  } else if (nvec <= 32 * 4) {  // warp per row: head_dim 256 / 512 norms, small hidden sizes
+    cfg.items = nvec <= 32 ? 1 : (nvec <= 64 ? 2 : 4);
+    cfg.tpr = 32;
+  } else {
+    int items = 1;
+    while ((nvec + items - 1) / items > kMaxThreadsPerRow) items *= 2;
+    if (items > max_items) return false;
+    cfg.items = items;
+    const int need = (nvec + items - 1) / items;
+    cfg.tpr = (need + 31) / 32 * 32;
+  }
+  cfg.rpb = cfg.tpr == 32 ? 4 : 1;
+  return true;
+}
+
+// Vector width for element type T: 16 bytes when every row start, the row length and the weight allow it.
+template <typename T, typename WT>
+int pick_vec(const at::Tensor& x, const RowIndexer& xi, const at::Tensor* x2, const RowIndexer* xi2,
+             const WT* w, int N) {
+  constexpr int V = 16 / sizeof(T);
+  if (N % V != 0) return 1;
+  if (!aligned_to(x.data_ptr(), 16) || !row_strides_multiple_of(xi, V)) return 1;
+  if (x2 != nullptr && (!aligned_to(x2->data_ptr(), 16) || !row_strides_multiple_of(*xi2, V))) return 1;
+  if (w != nullptr && !aligned_to(w, sizeof(WT) * V)) return 1;
+  return V;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// ATen path: float64 and very wide rows. Same expressions as reference.py.
+
+at::Tensor inverse_rms_aten(const at::Tensor& x_acc, double eps) {
+  return at::pow(x_acc.pow(2).mean(-1, /*keepdim=*/true) + eps, -0.5);
+}
+
+at::Tensor rms_norm_aten(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
+  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor x_acc = x.to(acc);
+  at::Tensor y = x_acc * inverse_rms_aten(x_acc, eps);
+  if (weight.has_value()) y = y * weight->to(acc);
+  return y.to(x.scalar_type()).contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_aten(const at::Tensor& grad_out, const at::Tensor& x,
+                                                          const std::optional<at::Tensor>& weight, double eps,
+                                                          bool weight_grad) {
+  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor x_acc = x.to(acc);
+  const at::Tensor inv = inverse_rms_aten(x_acc, eps);
+  const at::Tensor x_hat = x_acc * inv;
+  const at::Tensor dy = grad_out.to(acc);
+  const at::Tensor dy_w = weight.has_value() ? dy * weight->to(acc) : dy;
+  const at::Tensor grad_x = inv * (dy_w - x_hat * (dy_w * x_hat).mean(-1, /*keepdim=*/true));
+  at::Tensor grad_w;
+  if (weight.has_value() && weight_grad) {
+    grad_w = (dy * x_hat).reshape({-1, x.size(-1)}).sum(0).to(weight->scalar_type());
+  } else {
+    grad_w = at::empty({0}, x.options());
+  }
+  return {grad_x.to(x.scalar_type()).contiguous(), grad_w};
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Checks (same wording as ops.py).
+
+void check_rms_norm_inputs(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                           double eps) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat || dt == at::kDouble,
+              "g4ops: `x` must be float16, bfloat16, float32 or float64, got ", dt);
+  TORCH_CHECK(x.dim() >= 1, "g4ops.", op, ": `x` must have at least one dimension");
+  TORCH_CHECK(eps >= 0.0, "g4ops.", op, ": `eps` must be >= 0, got ", eps);
+  TORCH_CHECK(x.is_cuda(), "g4ops.", op, ": the CUDA kernel got `x` on ", x.device());
+  if (weight.has_value()) {
+    const auto& w = *weight;
+    const auto wt = w.scalar_type();
+    TORCH_CHECK(wt == at::kHalf || wt == at::kBFloat16 || wt == at::kFloat || wt == at::kDouble,
+                "g4ops: `weight` must be float16, bfloat16, float32 or float64, got ", wt);
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(-1), "g4ops.", op, ": `weight` must have shape [", x.size(-1),
+                "] (the last dim of `x`), got ", w.sizes());
+    TORCH_CHECK(w.device() == x.device(), "g4ops.", op, ": `weight` is on ", w.device(), " but `x` is on ",
+                x.device());
+  }
+}
+
+// Prepares a row operand: last dim contiguous and at most kMaxRowDims coalesced leading dims, else contiguous().
+at::Tensor rows_operand(const at::Tensor& t, RowIndexer& ri) {
+  if (t.stride(-1) == 1 || t.size(-1) == 1) {
+    if (make_row_indexer(t, ri)) return t;
+  }
+  at::Tensor c = t.contiguous();
+  TORCH_INTERNAL_ASSERT(make_row_indexer(c, ri));
+  return c;
+}
+
+// Kernel weight: nullptr, the weight itself (x's dtype or fp32), or a fp32 copy for any other dtype.
+at::Tensor kernel_weight(const std::optional<at::Tensor>& weight, at::ScalarType xdt) {
+  if (!weight.has_value()) return at::Tensor();
+  at::Tensor w = weight->contiguous();
+  if (w.scalar_type() != xdt && w.scalar_type() != at::kFloat) w = w.to(at::kFloat);
+  return w;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Forward launcher.
+
+template <typename T, typename WT, int VEC, int ITEMS>
+void launch_fwd(const RowConfig& cfg, const T* x, const RowIndexer& xi, const WT* w, T* y, int64_t rows, int N,
+                float eps, cudaStream_t stream) {
+  const dim3 block(cfg.tpr, cfg.rpb);
+  const int64_t grid = (rows + cfg.rpb - 1) / cfg.rpb;
+  rms_norm_fwd_kernel<T, WT, VEC, ITEMS>
+      <<<static_cast<unsigned>(grid), block, 0, stream>>>(x, xi, w, y, rows, N, eps, 1.0f / float(N));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, typename WT>
+bool rms_norm_fwd_typed(const at::Tensor& x, const RowIndexer& xi, const at::Tensor& w, at::Tensor& y,
+                        int64_t rows, int N, float eps) {
+  const WT* wp = w.defined() ? reinterpret_cast<const WT*>(w.data_ptr()) : nullptr;
+  const int vec = pick_vec<T, WT>(x, xi, nullptr, nullptr, wp, N);
+  RowConfig cfg;
+  if (!pick_config(N, vec, 8, cfg)) return false;
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  T* yp = reinterpret_cast<T*>(y.data_ptr());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  constexpr int V = 16 / sizeof(T);
+  if (cfg.vec == 1) {
+    launch_fwd<T, WT, 1, 8>(cfg, xp, xi, wp, yp, rows, N, eps, stream);
+  } else {
+    switch (cfg.items) {
+      case 1: launch_fwd<T, WT, V, 1>(cfg, xp, xi, wp, yp, rows, N, eps, stream); break;
+      case 2: launch_fwd<T, WT, V, 2>(cfg, xp, xi, wp, yp, rows, N, eps, stream); break;
+      case 4: launch_fwd<T, WT, V, 4>(cfg, xp, xi, wp, yp, rows, N, eps, stream); break;
+      default: launch_fwd<T, WT, V, 8>(cfg, xp, xi, wp, yp, rows, N, eps, stream); break;
+    }
+  }
+  return true;
+}
+
+at::Tensor rms_norm_cuda(const at::Tensor& x_in, const std::optional<at::Tensor>& weight, double eps) {
+  check_rms_norm_inputs("rms_norm", x_in, weight, eps);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  if (x_in.scalar_type() == at::kDouble) return rms_norm_aten(x_in, weight, eps);
+  const int64_t N64 = x_in.size(-1);
+  at::Tensor y = at::empty(x_in.sizes(), x_in.options().memory_format(at::MemoryFormat::Contiguous));
+  if (y.numel() == 0) return y;
+  TORCH_CHECK(N64 <= INT32_MAX, "g4ops.rms_norm: last dim of `x` too large: ", N64);
+  const int N = static_cast<int>(N64);
+  const int64_t rows = x_in.numel() / N;
+  RowIndexer xi;
+  const at::Tensor x = rows_operand(x_in, xi);
+  const at::Tensor w = kernel_weight(weight, x.scalar_type());
+  bool ok = false;
+  G4OPS_DISPATCH_HALF_BF16_FLOAT(x.scalar_type(), "g4ops.rms_norm", [&] {
+    if (w.defined() && w.scalar_type() == at::kFloat && !std::is_same<scalar_t, float>::value) {
+      ok = rms_norm_fwd_typed<scalar_t, float>(x, xi, w, y, rows, N, static_cast<float>(eps));
+    } else {
+      ok = rms_norm_fwd_typed<scalar_t, scalar_t>(x, xi, w, y, rows, N, static_cast<float>(eps));
+    }
+  });
+  if (!ok) return rms_norm_aten(x_in, weight, eps);  // row wider than the register-cached kernels hold
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Backward launcher.
+
+template <typename T, typename WT, int VEC, int ITEMS>
+void launch_bwd(const RowConfig& cfg, const T* dy, const RowIndexer& di, const T* x, const RowIndexer& xi,
+                const WT* w, T* dx, at::Tensor* partial, int64_t rows, int N, float eps, cudaStream_t stream,
+                int& grid_out) {
+  const dim3 block(cfg.tpr, cfg.rpb);
+  auto kernel = rms_norm_bwd_kernel<T, WT, VEC, ITEMS>;
+  const int per_sm = blocks_per_sm(reinterpret_cast<const void*>(kernel), cfg.tpr * cfg.rpb);
+  const int64_t groups = (rows + cfg.rpb - 1) / cfg.rpb;
+  const int grid = static_cast<int>(std::min<int64_t>(groups, int64_t(std::max(per_sm, 1)) * num_sms()));
+  grid_out = grid;
+  float* pp = nullptr;
+  if (partial != nullptr) {
+    *partial = at::empty({int64_t(grid) * cfg.rpb, N}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+    pp = partial->data_ptr<float>();  // every row is written: warps past `rows` write zeros
+  }
+  kernel<<<grid, block, 0, stream>>>(dy, di, x, xi, w, dx, pp, rows, N, eps, 1.0f / float(N));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, typename WT>
+bool rms_norm_bwd_typed(const at::Tensor& dy, const RowIndexer& di, const at::Tensor& x, const RowIndexer& xi,
+                        const at::Tensor& w, at::Tensor& dx, bool want_dw, at::Tensor& partial, int64_t rows, int N,
+                        float eps) {
+  const WT* wp = w.defined() ? reinterpret_cast<const WT*>(w.data_ptr()) : nullptr;
+  const int vec = pick_vec<T, WT>(x, xi, &dy, &di, wp, N);
+  RowConfig cfg;
+  if (!pick_config(N, vec, 4, cfg)) return false;
+  const T* dyp = reinterpret_cast<const T*>(dy.data_ptr());
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  T* dxp = reinterpret_cast<T*>(dx.data_ptr());
+  at::Tensor* pp = want_dw ? &partial : nullptr;
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  constexpr int V = 16 / sizeof(T);
+  int grid = 0;
+  if (cfg.vec == 1) {
+    launch_bwd<T, WT, 1, 8>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream, grid);
+  } else {
+    switch (cfg.items) {
+      case 1: launch_bwd<T, WT, V, 1>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream, grid); break;
+      case 2: launch_bwd<T, WT, V, 2>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream, grid); break;
+      default: launch_bwd<T, WT, V, 4>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream, grid); break;
+    }
+  }
+  return true;
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_out_in, const at::Tensor& x_in,
+                                                          const std::optional<at::Tensor>& weight, double eps,
+                                                          bool weight_grad) {
+  check_rms_norm_inputs("rms_norm_backward", x_in, weight, eps);
+  TORCH_CHECK(grad_out_in.sizes() == x_in.sizes(), "g4ops.rms_norm_backward: `grad_out` must have the shape of `x` ",
+              x_in.sizes(), ", got ", grad_out_in.sizes());
+  TORCH_CHECK(grad_out_in.device() == x_in.device(), "g4ops.rms_norm_backward: `grad_out` is on ",
+              grad_out_in.device(), " but `x` is on ", x_in.device());
+  TORCH_CHECK(grad_out_in.is_floating_point(), "g4ops.rms_norm_backward: `grad_out` must be floating point, got ",
+              grad_out_in.scalar_type());
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  if (x_in.scalar_type() == at::kDouble) return rms_norm_backward_aten(grad_out_in, x_in, weight, eps, weight_grad);
+
+  const bool want_dw = weight.has_value() && weight_grad;
+  at::Tensor dx = at::empty(x_in.sizes(), x_in.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t N64 = x_in.size(-1);
+  const int64_t rows = N64 == 0 ? 0 : x_in.numel() / N64;
+  if (x_in.numel() == 0) {
+    at::Tensor dw = want_dw ? at::zeros(weight->sizes(), weight->options()) : at::empty({0}, x_in.options());
+    return {dx, dw};
+  }
+  TORCH_CHECK(N64 <= INT32_MAX, "g4ops.rms_norm_backward: last dim of `x` too large: ", N64);
+  const int N = static_cast<int>(N64);
+  // grad_out from autograd has x's dtype; anything else is rounded to it first
+  const at::Tensor go = grad_out_in.scalar_type() == x_in.scalar_type() ? grad_out_in
+                                                                          : grad_out_in.to(x_in.scalar_type());
+  RowIndexer xi, di;
+  const at::Tensor x = rows_operand(x_in, xi);
+  const at::Tensor dy = rows_operand(go, di);
+  const at::Tensor w = kernel_weight(weight, x.scalar_type());
+  at::Tensor partial;
+  bool ok = false;
+  G4OPS_DISPATCH_HALF_BF16_FLOAT(x.scalar_type(), "g4ops.rms_norm_backward", [&] {
+    if (w.defined() && w.scalar_type() == at::kFloat && !std::is_same<scalar_t, float>::value) {
+      ok = rms_norm_bwd_typed<scalar_t, float>(dy, di, x, xi, w, dx, want_dw, partial, rows, N,
+                                               static_cast<float>(eps));
+    } else {
+      ok = rms_norm_bwd_typed<scalar_t, scalar_t>(dy, di, x, xi, w, dx, want_dw, partial, rows, N,
+                                                  static_cast<float>(eps));
+    }
+  });
+  if (!ok) return rms_norm_backward_aten(grad_out_in, x_in, weight, eps, weight_grad);
+  if (!want_dw) return {dx, at::empty({0}, x_in.options())};
+
+  // second pass: column sums of the partials, written in the weight's dtype
+  const auto wdt = weight->scalar_type();
+  const bool direct = wdt == at::kFloat || wdt == at::kHalf || wdt == at::kBFloat16;
+  at::Tensor dw = at::empty({N64}, weight->options().dtype(direct ? wdt : at::kFloat));
+  const int P = static_cast<int>(partial.size(0));
+  const dim3 block(32, 16);
+  const dim3 grid((N + 31) / 32);
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  G4OPS_DISPATCH_HALF_BF16_FLOAT(dw.scalar_type(), "g4ops.rms_norm_backward", [&] {
+    reduce_partials_kernel<scalar_t><<<grid, block, 0, stream>>>(
+        partial.data_ptr<float>(), reinterpret_cast<scalar_t*>(dw.data_ptr()), P, N);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  if (!direct) dw = dw.to(wdt);
+  return {dx, dw};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(g4ops, CUDA, m) {
+  m.impl("rms_norm", &rms_norm_cuda);
+  m.impl("rms_norm_backward", &rms_norm_backward_cuda);
+}
+
+}  // namespace g4ops
