@@ -28,11 +28,16 @@ def _tokens(vocab: int, shape=(2, 21), seed=0) -> torch.Tensor:
 
 
 def _loss_and_grads(model, ids):
+    """(logits, loss, every parameter's gradient). With labels, g4ops' fused loss returns no logits, so the logits
+    come from a second forward without labels."""
     model.zero_grad(set_to_none=True)
-    out = model(ids, labels=ids)
-    out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return out.logits.detach(), out.loss.detach(), grads
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() if p.grad is not None else None
+             for n, p in model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        logits = model(ids).logits
+    return logits, loss.detach(), grads
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
