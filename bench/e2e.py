@@ -1,0 +1,457 @@
+"""End-to-end Gemma-4 benchmark: decode, finetune steps and parity, stock vs g4ops (and Liger / torch.compile) in one run.
+
+    python bench/e2e.py --layers 42 --json $OUT/e2e.json                     # everything, E4B-shaped, on CUDA
+    python bench/e2e.py --parts decode --layers 12 --batches 1               # one quick part
+    python bench/e2e.py --device cpu --shape tiny-e4b --smoke                # seconds; what CI runs
+
+Parts (`--parts`, comma-separated; default all):
+  decode  `model.generate(..., cache_implementation="static")` greedy, at each `--batches` size, stock vs g4ops
+          enabled. transformers compiles the static-cache decode step by itself on CUDA. Reported: tok/s of a timed
+          generate of `--decode-tokens` new tokens (it crosses position 512, the sliding window) after a warm-up
+          generate; the warm-up's wall time (compilation included); and seconds from process start to the end of
+          that warm-up, i.e. to the first fast token (the first variant pays the imports and CUDA init).
+  train   full finetune step (fwd + bwd; and fwd + bwd + AdamW) at 1 x `--seqs` tokens, for each of `--variants`:
+          stock (eager), stock-compile, liger (Liger-Kernel's `apply_liger_kernel_to_gemma4_text`, where
+          importable), g4ops (eager, `g4ops.enable()`), g4ops-compile. Reported: tok/s (median step), peak memory
+          (max_memory_allocated, params and grads included), the first loss (checked against stock eager's before
+          any timing counts). A variant that runs out of memory is reported as OOM and the run goes on.
+  parity  bf16: stock greedy decode of `--parity-tokens`, then teacher-forced top-1 agreement of g4ops with stock
+          over that sequence; g4ops' own greedy decode and its first divergence from stock, with the stock and
+          g4ops top-1/top-2 logit margins there. fp32 (`--fp32-layers` layers): greedy tokens of g4ops identical to
+          stock's.
+
+Every model is rebuilt from the same seed for each variant (a full E4B builds on the GPU in about a second), so
+variants do not share compiled state, patched modules or optimizer memory. The table goes to stdout, all numbers to
+`--json`.
+"""
+
+from __future__ import annotations
+
+import time
+
+_T0 = time.perf_counter()  # before torch/transformers imports: "time from process start"
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import g4ops  # noqa: E402
+from g4ops.models import build_model, text_config  # noqa: E402
+
+VARIANTS = ("stock", "stock-compile", "liger", "g4ops", "g4ops-compile")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def model_for(args, dtype=None, layers=None):
+    torch._dynamo.reset()
+    free(args.device)
+    return build_model(
+        args.shape, num_layers=layers if layers is not None else args.layers, dtype=dtype or DTYPES[args.dtype],
+        device=args.device, seed=args.seed,
+    )
+
+
+def random_ids(args, batch: int, length: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    vocab = text_config(args.shape).vocab_size
+    return torch.randint(3, vocab, (batch, length), generator=gen).to(args.device)
+
+
+@contextlib.contextmanager
+def g4ops_on(enabled: bool):
+    if not enabled:
+        yield
+        return
+    g4ops.enable()
+    try:
+        yield
+    finally:
+        g4ops.disable()
+        torch._dynamo.reset()
+
+
+def liger_patch():
+    """Liger-Kernel's Gemma-4 text patch if importable: (apply(model), undo(), version) or raises ImportError."""
+    import liger_kernel
+    from liger_kernel.transformers import monkey_patch
+    from transformers.models.gemma4 import modeling_gemma4
+
+    apply = getattr(monkey_patch, "apply_liger_kernel_to_gemma4_text", None)
+    if apply is None:
+        raise ImportError(f"liger_kernel {getattr(liger_kernel, '__version__', '?')} has no Gemma-4 text patch")
+    # It swaps module-level classes (Gemma4RMSNorm, Gemma4TextMLP) besides patching the instance: put them back.
+    saved = {name: getattr(modeling_gemma4, name) for name in ("Gemma4RMSNorm", "Gemma4TextMLP")}
+    saved_forward = modeling_gemma4.Gemma4ForCausalLM.forward
+
+    def undo():
+        for name, value in saved.items():
+            setattr(modeling_gemma4, name, value)
+        modeling_gemma4.Gemma4ForCausalLM.forward = saved_forward
+
+    version = getattr(liger_kernel, "__version__", None)
+    if version is None:
+        from importlib.metadata import version as _v
+
+        version = _v("liger-kernel")
+    return (lambda model: apply(model=model)), undo, version
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decode
+
+
+def bench_decode(args, results):
+    rows = []
+    for batch in args.batches:
+        prompt = random_ids(args, batch, args.prompt_len, seed=args.seed + 100 + batch)
+        for variant in ("stock", "g4ops"):
+            row = dict(part="decode", variant=variant, batch=batch, new_tokens=args.decode_tokens)
+            try:
+                with g4ops_on(variant == "g4ops"):
+                    model = model_for(args)
+                    kw = dict(
+                        do_sample=False, cache_implementation="static", pad_token_id=0,
+                        attention_mask=torch.ones_like(prompt),
+                    )
+                    t = time.perf_counter()
+                    with torch.no_grad():
+                        model.generate(prompt, max_new_tokens=args.warmup_tokens, min_new_tokens=args.warmup_tokens,
+                                       **kw)
+                    sync(args.device)
+                    row["warmup_s"] = time.perf_counter() - t
+                    row["since_process_start_s"] = time.perf_counter() - _T0
+                    t = time.perf_counter()
+                    with torch.no_grad():
+                        out = model.generate(prompt, max_new_tokens=args.decode_tokens,
+                                             min_new_tokens=args.decode_tokens, **kw)
+                    sync(args.device)
+                    dt = time.perf_counter() - t
+                    new = out.shape[1] - prompt.shape[1]
+                    row.update(seconds=dt, tok_s=batch * new / dt, final_position=int(out.shape[1]))
+                    row["tokens_head"] = out[0, prompt.shape[1]:prompt.shape[1] + 16].tolist()
+                    del model, out
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                row["error"] = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+            free(args.device)
+            rows.append(row)
+            print_row(row)
+    for batch in args.batches:
+        pair = {r["variant"]: r for r in rows if r["batch"] == batch and "tok_s" in r}
+        if len(pair) == 2:
+            pair["g4ops"]["speedup_vs_stock"] = pair["g4ops"]["tok_s"] / pair["stock"]["tok_s"]
+            pair["g4ops"]["same_tokens_head"] = pair["g4ops"]["tokens_head"] == pair["stock"]["tokens_head"]
+    results["decode"] = rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train
+
+
+def train_variant(args, variant: str, seq: int, optimizer: str, ids: torch.Tensor):
+    liger_undo = None
+    row = dict(part="train", variant=variant, seq=seq, optimizer=optimizer)
+    use_g4ops = variant.startswith("g4ops")
+    try:
+        with g4ops_on(use_g4ops):
+            model = model_for(args).train()
+            if variant == "liger":
+                apply, liger_undo, version = liger_patch()
+                apply(model)
+                row["liger_version"] = version
+            step_model = torch.compile(model) if variant.endswith("compile") else model
+            opt = None
+            if optimizer == "adamw":
+                fused = args.device.startswith("cuda")
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=fused)
+
+            def step():
+                loss = step_model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                if opt is not None:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                else:
+                    model.zero_grad(set_to_none=True)
+                return loss.detach()
+
+            reset_peak(args.device)
+            t = time.perf_counter()
+            first = step()  # on the initial weights: the parity check below
+            sync(args.device)
+            row["first_step_s"] = time.perf_counter() - t  # compilation included for the compile variants
+            row["first_loss"] = float(first)
+            for _ in range(args.warmup_steps - 1):
+                step()
+            times = []
+            for _ in range(args.steps):
+                sync(args.device)
+                t = time.perf_counter()
+                step()
+                sync(args.device)
+                times.append(time.perf_counter() - t)
+            median = statistics.median(times)
+            row.update(step_s=median, tok_s=ids.numel() / median, peak_gib=peak_gib(args.device))
+            del opt, model, step_model
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        row["error"] = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {exc}"
+        if not is_oom(exc) and not isinstance(exc, ImportError):
+            traceback.print_exc()
+    finally:
+        if liger_undo is not None:
+            liger_undo()
+        torch._dynamo.reset()
+        free(args.device)
+    return row
+
+
+def bench_train(args, results):
+    rows = []
+    for seq in args.seqs:
+        ids = random_ids(args, 1, seq, seed=args.seed + seq)
+        for optimizer in args.optimizers:
+            ref = None
+            for variant in args.variants:
+                row = train_variant(args, variant, seq, optimizer, ids)
+                if variant == "stock" and "first_loss" in row:
+                    ref = row
+                if ref is not None and "first_loss" in row and variant != "stock":
+                    # bf16 model: the loss is a mean of seq terms, each off by a few bf16 ulps of the logits
+                    row["loss_matches_stock"] = abs(row["first_loss"] - ref["first_loss"]) <= args.loss_tol * max(
+                        1.0, abs(ref["first_loss"])
+                    )
+                    if "tok_s" in row and "tok_s" in ref:
+                        row["speedup_vs_stock"] = row["tok_s"] / ref["tok_s"]
+                rows.append(row)
+                print_row(row)
+    results["train"] = rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# parity
+
+
+@torch.no_grad()
+def greedy(model, prompt, n):
+    out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                         attention_mask=torch.ones_like(prompt))
+    return out[0, prompt.shape[1]:]
+
+
+@torch.no_grad()
+def teacher_forced_logits(model, seq):
+    return model(input_ids=seq).logits[0].float()
+
+
+def margin(logits_row) -> float:
+    top = torch.topk(logits_row, 2).values
+    return float(top[0] - top[1])
+
+
+def bench_parity(args, results):
+    report = {}
+    prompt = random_ids(args, 1, args.prompt_len, seed=args.seed + 7)
+    p = prompt.shape[1]
+    # bf16 (the model dtype of the run)
+    model = model_for(args).eval()
+    stock_tokens = greedy(model, prompt, args.parity_tokens)
+    seq = torch.cat([prompt[0], stock_tokens]).unsqueeze(0)
+    stock_logits = teacher_forced_logits(model, seq)
+    with g4ops_on(True):
+        ours_logits = teacher_forced_logits(model, seq)
+        ours_tokens = greedy(model, prompt, args.parity_tokens)
+    del model
+    free(args.device)
+    # positions p-1 .. end-1 predict the generated tokens
+    s_top = stock_logits[p - 1:-1].argmax(-1)
+    o_top = ours_logits[p - 1:-1].argmax(-1)
+    agree = (s_top == o_top).float().mean().item()
+    diverge = (ours_tokens != stock_tokens).nonzero()
+    first = int(diverge[0]) if diverge.numel() else None
+    bf = dict(
+        dtype=args.dtype, layers=args.layers, tokens=int(stock_tokens.numel()),
+        teacher_forced_top1_agreement=agree,
+        stock_greedy_matches_teacher_forced=bool((s_top == stock_tokens).all()),
+        first_greedy_divergence=first,
+        max_abs_logit_diff=float((stock_logits - ours_logits).abs().max()),
+    )
+    if first is not None:
+        row = p - 1 + first
+        # both margins on the same (stock) prefix: the teacher-forced row that predicts the diverging token
+        bf.update(stock_margin_at_divergence=margin(stock_logits[row]),
+                  g4ops_margin_at_divergence=margin(ours_logits[row]))
+    report["teacher_forced"] = bf
+    print(f"parity {args.dtype}: teacher-forced top-1 agreement {agree:.4f} over {bf['tokens']} tokens; first greedy "
+          f"divergence {first}" + (f" (stock margin {bf['stock_margin_at_divergence']:.4f}, g4ops margin "
+                                   f"{bf['g4ops_margin_at_divergence']:.4f})" if first is not None else ""))
+    # fp32, fewer layers: greedy tokens identical
+    model = model_for(args, dtype=torch.float32, layers=args.fp32_layers).eval()
+    stock32 = greedy(model, prompt, args.fp32_tokens)
+    with g4ops_on(True):
+        ours32 = greedy(model, prompt, args.fp32_tokens)
+    del model
+    free(args.device)
+    diff = (stock32 != ours32).nonzero()
+    report["fp32_greedy"] = dict(
+        layers=args.fp32_layers, tokens=int(stock32.numel()), identical=bool(diff.numel() == 0),
+        first_divergence=int(diff[0]) if diff.numel() else None,
+    )
+    print(f"parity fp32 ({args.fp32_layers} layers): greedy tokens identical = {report['fp32_greedy']['identical']} "
+          f"over {report['fp32_greedy']['tokens']} tokens")
+    results["parity"] = report
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output
+
+
+def fmt(v):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}" if not math.isnan(v) else "nan"
+    return str(v)
+
+
+def print_row(row):
+    keys = ("part", "variant", "batch", "seq", "optimizer", "tok_s", "peak_gib", "speedup_vs_stock", "first_loss",
+            "loss_matches_stock", "warmup_s", "since_process_start_s", "error")
+    print("  ".join(f"{k}={fmt(row[k])}" for k in keys if k in row), flush=True)
+
+
+def print_table(results):
+    print("\n== summary ==")
+    if results.get("decode"):
+        print(f"{'decode':<16}{'batch':>6}{'tok/s':>10}{'x stock':>9}{'warm-up s':>11}{'from start s':>14}")
+        for r in results["decode"]:
+            print(f"{r['variant']:<16}{r['batch']:>6}{fmt(r.get('tok_s')):>10}{fmt(r.get('speedup_vs_stock')):>9}"
+                  f"{fmt(r.get('warmup_s')):>11}{fmt(r.get('since_process_start_s')):>14}  {r.get('error', '')}")
+    if results.get("train"):
+        print(f"{'train':<16}{'seq':>6}{'optim':>7}{'tok/s':>10}{'x stock':>9}{'peak GiB':>10}{'loss':>9}  ok")
+        for r in results["train"]:
+            print(f"{r['variant']:<16}{r['seq']:>6}{r['optimizer']:>7}{fmt(r.get('tok_s')):>10}"
+                  f"{fmt(r.get('speedup_vs_stock')):>9}{fmt(r.get('peak_gib')):>10}{fmt(r.get('first_loss')):>9}  "
+                  f"{fmt(r.get('loss_matches_stock'))} {r.get('error', '')}")
+    if results.get("parity"):
+        print("parity", json.dumps(results["parity"]))
+
+
+def meta(args):
+    info = dict(
+        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), python=platform.python_version(),
+        torch=torch.__version__, args=vars(args), g4ops_kernels=str(g4ops.kernel_status()),
+    )
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if args.device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shape", default="e4b", help="g4ops.models.SHAPES key: e4b, e2b, tiny-e4b, tiny-e2b")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's own count)")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--parts", default="decode,train,parity")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="train variants: " + ",".join(VARIANTS))
+    ap.add_argument("--batches", default="1,4", help="decode batch sizes")
+    ap.add_argument("--seqs", default="2048,8192", help="train sequence lengths (batch 1)")
+    ap.add_argument("--optimizers", default="none,adamw", help="train: none (fwd+bwd) and/or adamw")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--warmup-tokens", type=int, default=16, help="decode warm-up generate (compiles)")
+    ap.add_argument("--decode-tokens", type=int, default=600, help="timed decode; > 512 crosses the window")
+    ap.add_argument("--warmup-steps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--parity-tokens", type=int, default=300)
+    ap.add_argument("--fp32-layers", type=int, default=6)
+    ap.add_argument("--fp32-tokens", type=int, default=600)
+    ap.add_argument("--loss-tol", type=float, default=2e-2, help="relative first-loss tolerance vs stock (bf16)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write all results here")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, eager variants only: proves the script runs")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.batches, args.seqs, args.variants = "2", "16", "stock,liger,g4ops"
+        args.decode_tokens, args.warmup_tokens, args.parity_tokens, args.fp32_tokens = 10, 2, 10, 10
+        args.prompt_len, args.warmup_steps, args.steps, args.fp32_layers = 6, 1, 1, 3
+        if args.device == "cpu" and args.dtype == "bf16":
+            args.dtype = "fp32"  # CPU bf16 GEMMs are slow paths on many CPUs; the smoke proves the script, not speed
+    args.parts = [p for p in args.parts.split(",") if p]
+    args.variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in args.variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"unknown variants {bad}; choose from {VARIANTS}")
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.seqs = [int(s) for s in args.seqs.split(",") if s]
+    args.optimizers = [o for o in args.optimizers.split(",") if o]
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity must mean fp32
+    results = {"meta": meta(args)}
+    parts = {"decode": bench_decode, "train": bench_train, "parity": bench_parity}
+    for part in args.parts:
+        print(f"== {part} ==", flush=True)
+        try:
+            parts[part](args, results)
+        except Exception as exc:  # noqa: BLE001 - one part failing must not lose the others' numbers
+            traceback.print_exc()
+            results.setdefault("errors", {})[part] = f"{type(exc).__name__}: {exc}"
+        if args.json:  # write after every part: a later crash or timeout keeps what was measured
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+    print_table(results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The benchmark scripts run end to end on CPU with the tiny model (they are run for real on the GPU machine; this
+proves they are not broken in between). Each runs as its own process, as a user would launch it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args, tmp_path, timeout=240):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def test_e2e_smoke(tmp_path):
+    out = tmp_path / "e2e.json"
+    proc = _run(["bench/e2e.py", "--device", "cpu", "--shape", "tiny-e4b", "--smoke", "--json", str(out)], tmp_path)
+    assert "== summary ==" in proc.stdout
+    res = json.loads(out.read_text())
+    assert "errors" not in res, res.get("errors")
+    decode = {(r["variant"], r["batch"]): r for r in res["decode"]}
+    for (variant, batch), r in decode.items():
+        assert r.get("tok_s", 0) > 0, r
+        assert r["final_position"] == 6 + 10  # prompt + every requested token (EOS suppressed)
+    assert decode[("g4ops", 2)]["same_tokens_head"] is True  # fp32 on CPU: identical greedy tokens
+    train = {(r["variant"], r["optimizer"]): r for r in res["train"]}
+    for optimizer in ("none", "adamw"):
+        for variant in ("stock", "g4ops"):
+            assert train[(variant, optimizer)].get("tok_s", 0) > 0, train[(variant, optimizer)]
+        assert train[("g4ops", optimizer)]["loss_matches_stock"] is True
+        assert "tok_s" in train[("liger", optimizer)] or "error" in train[("liger", optimizer)]
+    parity = res["parity"]
+    assert parity["teacher_forced"]["teacher_forced_top1_agreement"] == 1.0
+    assert parity["fp32_greedy"]["identical"] is True
+
+
+@pytest.mark.slow
+def test_fsdp2_smoke(tmp_path):
+    out = tmp_path / "fsdp2.json"
+    _run(["bench/fsdp2.py", "--device", "cpu", "--backend", "gloo", "--shape", "tiny-e4b", "--json", str(out)],
+         tmp_path)
+    res = json.loads(out.read_text())
+    rows = {(r["variant"], r["mode"]): r for r in res["rows"]}
+    assert set(rows) == {("stock", "eager"), ("g4ops", "eager")}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["first_loss_ok"] is True and r["tok_s_per_gpu"] > 0
+    assert rows[("stock", "eager")]["first_loss_vs_1proc"] == pytest.approx(0.0, abs=1e-5)
