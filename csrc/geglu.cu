@@ -245,14 +245,14 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(
 void check_geglu_inputs(const char* op, const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
                         const at::Tensor& w_down) {
   const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat || dt == at::kDouble,
+  TORCH_CHECK_TYPE(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat || dt == at::kDouble,
               "g4ops: `x` must be float16, bfloat16, float32 or float64, got ", dt);
   TORCH_CHECK(x.dim() >= 1, "g4ops.", op, ": `x` must have at least one dimension");
   const std::pair<const char*, const at::Tensor*> ws[] = {{"w_gate", &w_gate}, {"w_up", &w_up}, {"w_down", &w_down}};
   for (const auto& nw : ws) {
     const at::Tensor& w = *nw.second;
     const auto wt = w.scalar_type();
-    TORCH_CHECK(wt == at::kHalf || wt == at::kBFloat16 || wt == at::kFloat || wt == at::kDouble, "g4ops: `",
+    TORCH_CHECK_TYPE(wt == at::kHalf || wt == at::kBFloat16 || wt == at::kFloat || wt == at::kDouble, "g4ops: `",
                 nw.first, "` must be float16, bfloat16, float32 or float64, got ", wt);
     TORCH_CHECK(w.dim() == 2, "g4ops.", op, ": `", nw.first, "` must be 2-D [out, in], got ", w.sizes());
     TORCH_CHECK(wt == dt, "g4ops.", op, ": `", nw.first, "` is ", wt, " but `x` is ", dt,
@@ -506,7 +506,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> geglu_mlp_backward_cu
   return {grad_x, grad_wg, grad_wu, grad_wd};
 }
 
+// g4ops_kernels::gelu_tanh_mul: the fused GeGLU product alone, for the kernel benchmark (bench/kernels.py) and
+// tests. Internal: CUDA only, no autograd, not part of the public op set.
+at::Tensor gelu_tanh_mul_cuda(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.sizes() == up.sizes(), "g4ops_kernels.gelu_tanh_mul: `up` must have the shape of `gate` ",
+              gate.sizes(), ", got ", up.sizes());
+  TORCH_CHECK(gate.scalar_type() == up.scalar_type(), "g4ops_kernels.gelu_tanh_mul: `up` is ", up.scalar_type(),
+              " but `gate` is ", gate.scalar_type());
+  TORCH_CHECK(gate.is_cuda() && up.device() == gate.device(),
+              "g4ops_kernels.gelu_tanh_mul: `gate` and `up` must be on one CUDA device");
+  const c10::cuda::CUDAGuard guard(gate.device());
+  return geglu_elementwise(gate.contiguous(), up.contiguous());
+}
+
 }  // namespace
+
+TORCH_LIBRARY(g4ops_kernels, m) {
+  m.def("gelu_tanh_mul(Tensor gate, Tensor up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(g4ops_kernels, CUDA, m) {
+  m.impl("gelu_tanh_mul", &gelu_tanh_mul_cuda);
+}
 
 TORCH_LIBRARY_IMPL(g4ops, CUDA, m) {
   m.impl("geglu_mlp", &geglu_mlp_cuda);

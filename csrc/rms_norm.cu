@@ -317,7 +317,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_aten(const at::Tensor& grad
 void check_rms_norm_inputs(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& weight,
                            double eps) {
   const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat || dt == at::kDouble,
+  TORCH_CHECK_TYPE(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat || dt == at::kDouble,
               "g4ops: `x` must be float16, bfloat16, float32 or float64, got ", dt);
   TORCH_CHECK(x.dim() >= 1, "g4ops.", op, ": `x` must have at least one dimension");
   TORCH_CHECK(eps >= 0.0, "g4ops.", op, ": `eps` must be >= 0, got ", eps);
@@ -325,7 +325,7 @@ void check_rms_norm_inputs(const char* op, const at::Tensor& x, const std::optio
   if (weight.has_value()) {
     const auto& w = *weight;
     const auto wt = w.scalar_type();
-    TORCH_CHECK(wt == at::kHalf || wt == at::kBFloat16 || wt == at::kFloat || wt == at::kDouble,
+    TORCH_CHECK_TYPE(wt == at::kHalf || wt == at::kBFloat16 || wt == at::kFloat || wt == at::kDouble,
                 "g4ops: `weight` must be float16, bfloat16, float32 or float64, got ", wt);
     TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(-1), "g4ops.", op, ": `weight` must have shape [", x.size(-1),
                 "] (the last dim of `x`), got ", w.sizes());

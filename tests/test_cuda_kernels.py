@@ -254,6 +254,28 @@ def test_geglu_gemv_matches_gemm_e4b(dtype, rows):
     assert out3.shape == (rows, 1, hidden) and torch.equal(out3.squeeze(1), gemv)
 
 
+@pytest.mark.parametrize("n", (1, 7, 8, 4099, 16 * 1024))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_kernel(dtype, n):
+    """The fused GeGLU product (internal op) vs reference.gelu_tanh_mul on the same CUDA tensors: fp32 math, one
+    rounding; vector path, scalar tail, and a misaligned view (scalar path)."""
+    from g4ops import reference
+
+    gen = _gen("gelu", dtype, n)
+    g = make_tensor((n + 1,), dtype, gen, device=DEV, scale=3.0)
+    u = make_tensor((n + 1,), dtype, gen, device=DEV)
+    for a, b in ((g[:n], u[:n]), (g[1:], u[1:])):
+        _poison(n, dtype)
+        h = torch.ops.g4ops_kernels.gelu_tanh_mul(a, b)
+        ref = reference.gelu_tanh_mul(a, b)
+        if dtype == torch.float64:
+            torch.testing.assert_close(h, ref, rtol=1e-14, atol=1e-300)
+        else:
+            _ulp_close(h, ref, 1.0)
+        assert rel_err(h, oracle.gelu_tanh(a) * b.double()) <= tolerance(dtype, 1, roundings=1) + 4 * tolerance(
+            torch.float32, 1)
+
+
 MASKS = ((True, True, True, True), (True, False, False, False), (False, True, False, True), (False, False, True, False),
          (False, False, False, False))
 
