@@ -1,0 +1,114 @@
+"""Where does the time go? torch.profiler over E4B-shaped decode steps and training steps, stock vs g4ops.
+
+Prints, per case: wall time per step, GPU busy time per step (sum of kernel times), kernel launches per step, and
+the top kernels by total time. Wall >> GPU busy means the host (Python, launches, syncs) is the bottleneck.
+
+    python bench/profile.py --layers 12 --parts decode,train --json $OUT/profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import g4ops
+from g4ops.models import build_model
+
+
+def _kernel_table(prof, steps: int, top: int):
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    busy_us = sum(e.self_device_time_total for e in events) / steps
+    launches = sum(e.count for e in events) / steps
+    rows = [(e.key[:90], e.count / steps, e.self_device_time_total / steps) for e in events[:top]]
+    return busy_us, launches, rows
+
+
+def _profile(fn, steps: int, top: int):
+    fn()  # warm-up (compilation, autotuning, CUDA-graph recording)
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - start) * 1e6 / steps
+    busy_us, launches, rows = _kernel_table(prof, steps, top)
+    return dict(wall_us=wall_us, gpu_busy_us=busy_us, launches=launches, top=rows)
+
+
+def decode_case(model, batch: int, new_tokens: int):
+    from transformers import GenerationConfig
+
+    prompt = torch.randint(3, model.config.vocab_size, (batch, 16), device="cuda")
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              cache_implementation="static", pad_token_id=0, eos_token_id=1)
+
+    def step():
+        with torch.no_grad():
+            model.generate(prompt, generation_config=config)
+
+    return step
+
+
+def train_case(model, tokens: int, compiled: bool):
+    ids = torch.randint(3, model.config.vocab_size, (1, tokens), device="cuda")
+    fwd = torch.compile(model) if compiled else model
+
+    def step():
+        loss = fwd(ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--parts", default="decode,train")
+    parser.add_argument("--tokens", default="2048", help="training lengths, comma separated")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens per profiled generate() call")
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    results = {}
+    for variant in ("stock", "g4ops"):
+        patches = g4ops.enable() if variant == "g4ops" else None
+        model = build_model("e4b", num_layers=args.layers, dtype=torch.bfloat16, device="cuda")
+        if "decode" in parts:
+            torch._dynamo.reset()
+            r = _profile(decode_case(model, 1, args.new_tokens), steps=2, top=args.top)
+            for k in ("wall_us", "gpu_busy_us", "launches"):
+                r[k] /= args.new_tokens  # per generated token
+            results[f"{variant} decode b1 (per token)"] = r
+        if "train" in parts:
+            model.train()
+            for tokens in map(int, args.tokens.split(",")):
+                for compiled in (False, True):
+                    torch._dynamo.reset()
+                    r = _profile(train_case(model, tokens, compiled), steps=2, top=args.top)
+                    results[f"{variant} train {tokens} {'compiled' if compiled else 'eager'}"] = r
+            model.eval()
+        del model
+        torch.cuda.empty_cache()
+        if patches is not None:
+            patches.__exit__(None, None, None)
+    for name, r in results.items():
+        print(f"\n== {name}: wall {r['wall_us']:.0f} us, GPU busy {r['gpu_busy_us']:.0f} us, "
+              f"{r['launches']:.0f} kernel launches")
+        for key, count, us in r["top"]:
+            print(f"   {us:9.1f} us  x{count:6.1f}  {key}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(layers=args.layers, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
