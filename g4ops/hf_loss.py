@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -53,12 +52,13 @@ def _explicit_params(fn) -> set[str]:
     return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def _output_class(model):
-    module = sys.modules.get(type(model).__module__)
-    cls = getattr(module, "Gemma4CausalLMOutputWithPast", None)
+def _output_class(stock_forward):
+    """The output class stock returns (found in the stock forward's module), and its field names."""
+    namespace = getattr(inspect.unwrap(stock_forward), "__globals__", {})
+    cls = namespace.get("Gemma4CausalLMOutputWithPast")
     if cls is None:
         from transformers.modeling_outputs import CausalLMOutputWithPast as cls
-    return cls
+    return cls, frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def _text_config(model):
@@ -86,10 +86,15 @@ def make_causal_lm_forward(stock_forward):
     signature = inspect.signature(stock_forward)  # follows __wrapped__ to the real parameter names
     names = list(signature.parameters)
     var_kw = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    out_cls, out_fields = _output_class(stock_forward)  # looked up once here, not while torch.compile traces
+    model_params: dict[type, set[str]] = {}  # decoder class -> its explicit forward parameters
 
     def fused(self, arguments: dict, extra: dict):
-        model_params = _explicit_params(self.model.forward)
-        call = {k: v for k, v in arguments.items() if k in model_params}  # what stock hands the decoder
+        decoder = type(self.model)
+        if decoder not in model_params:
+            model_params[decoder] = _explicit_params(decoder.forward)
+        accepted = model_params[decoder]
+        call = {k: v for k, v in arguments.items() if k in accepted}  # what stock hands the decoder
         outputs = self.model(**call, **extra)
         hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
 
@@ -106,12 +111,10 @@ def make_causal_lm_forward(stock_forward):
             ignore_index,
             extra.get("num_items_in_batch"),
         )
-        out_cls = _output_class(self)
-        fields = {f.name for f in dataclasses.fields(out_cls)} if dataclasses.is_dataclass(out_cls) else set()
         carried = {
             name: getattr(outputs, name)
-            for name in fields - {"loss", "logits"}
-            if getattr(outputs, name, None) is not None
+            for name in out_fields
+            if name not in ("loss", "logits") and getattr(outputs, name, None) is not None
         }
         return out_cls(loss=loss, logits=None, **carried)
 

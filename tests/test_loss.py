@@ -341,7 +341,9 @@ def _loss_and_grads(model, **kw):
     model.zero_grad(set_to_none=True)
     out = model(**kw)
     out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {
+        n.removeprefix("_orig_mod."): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+    }
     model.zero_grad(set_to_none=True)
     return out, grads
 
@@ -440,6 +442,22 @@ def test_enable_installs_fused_loss(tiny):
     with g4ops.enable(tiny):
         out, grads = _loss_and_grads(tiny, input_ids=ids, labels=labels)
     assert not g4ops.is_enabled(tiny)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, stock_out.loss, rtol=1e-5, atol=1e-6)
+    assert rel_err(grads["model.embed_tokens.weight"], stock_grads["model.embed_tokens.weight"]) < 1e-4
+
+
+def test_hf_fused_forward_compiles_fullgraph(tiny):
+    """torch.compile(fullgraph=True) traces the patched forward with labels: no graph break, same loss and grads."""
+    ids, labels = _batch(seed=6)
+    stock_out, stock_grads = _loss_and_grads(_unpatched(tiny), input_ids=ids, labels=labels)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(_patched(tiny), backend="aot_eager", fullgraph=True)
+        out, grads = _loss_and_grads(compiled, input_ids=ids, labels=labels)
+    finally:
+        _unpatched(tiny)
+        torch._dynamo.reset()
     assert out.logits is None
     torch.testing.assert_close(out.loss, stock_out.loss, rtol=1e-5, atol=1e-6)
     assert rel_err(grads["model.embed_tokens.weight"], stock_grads["model.embed_tokens.weight"]) < 1e-4
