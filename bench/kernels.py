@@ -15,20 +15,24 @@ GB/s counts each input read once and each output written once (weights included)
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import os
-import platform
 import sys
-import time
-import types
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+# `python bench/kernels.py` puts bench/ first on sys.path, where sibling scripts (bench/profile.py) would shadow
+# stdlib modules that torch._dynamo imports (cProfile -> profile). Only the repository root belongs there.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+import types  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import g4ops  # noqa: E402
 
@@ -249,9 +253,19 @@ def oracle_mlp(x, wg, wu, wd):
 
 
 class Table:
-    def __init__(self, ceilings):
+    """Collects rows; rewrites the JSON after every row so a run cut short still leaves its numbers."""
+
+    def __init__(self, ceilings, json_path=None, env=None):
         self.rows = []
         self.ceil = ceilings
+        self.json_path = json_path
+        self.env = env
+
+    def dump(self, targets=None):
+        if self.json_path:
+            Path(self.json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.json_path).write_text(json.dumps(
+                {"env": self.env, "ceilings": self.ceil, "rows": self.rows, "targets": targets}, indent=1))
 
     def add(self, row, impl, us, *, bytes_=None, flops=None, err=None, ok=True, mode="events", note=""):
         entry = {"row": row, "impl": impl, "us": us, "mode": mode, "err_vs_fp64": err, "correct": ok, "note": note}
@@ -263,6 +277,7 @@ class Table:
             entry.update(TFLOPs=tf, pct_matmul=100 * tf / self.ceil["bf16_matmul_TFLOPs"], flops=flops)
         self.rows.append(entry)
         print(self.fmt(entry), flush=True)
+        self.dump()
 
     @staticmethod
     def fmt(e):
@@ -432,7 +447,7 @@ def main() -> int:
     ceil = measure_ceilings()
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s",
           flush=True)
-    t = Table(ceil)
+    t = Table(ceil, args.json, env)
 
     bench_norm_fwd(t, lk, 16384)
     bench_norm_fwd(t, lk, 4096)
@@ -450,10 +465,8 @@ def main() -> int:
     bench_overhead(t, lk, impls)
 
     targets = summarize(t, ceil)
+    t.dump(targets)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"env": env, "ceilings": ceil, "rows": t.rows, "targets": targets},
-                                              indent=1))
         print(f"wrote {args.json}")
     return 0
 
