@@ -1,0 +1,152 @@
+"""The CPU check behind `python -m neuron_backend check`: stock transformers vs the Neuron-shaped model at TP=1
+vs TP=N over gloo, plus the per-bucket export hygiene (the mutated buffers are exactly the KV buffers).
+
+Shapes (random weights, norms and layer scalars randomised; built by g4ops.models):
+    tiny-e4b   hidden 64, 6 layers [s,s,f,s,s,f], 4/2 heads, head_dim 16/32, PLE 16, 2 KV-shared, window 8
+    e4b-mini   E4B's attention exactly (8/2 heads, head_dim 256/512, window 512, proportional RoPE, 5:1 layers)
+               with hidden 128, 12 layers (5 KV-shared), PLE 32 and a 1024-token vocab so it runs on a CPU
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import BuildSettings, from_hf_config
+from .export import export_buckets
+from .generate import greedy_generate, module_step
+from .loader import build_rank_model
+
+SHAPES = {
+    # name: (g4ops.models.build_model kwargs, prompt length, new tokens, max_seq, prefill buckets)
+    "tiny-e4b": (dict(shape="tiny-e4b"), 13, 24, 64, (4, 16)),
+    "e4b-mini": (
+        dict(shape="e4b", num_layers=12, hidden_size=128, intermediate_size=256, vocab_size=1024,
+             vocab_size_per_layer_input=1024, hidden_size_per_layer_input=32),
+        500, 24, 640, (128, 512),
+    ),  # fmt: skip
+}
+
+
+def build_stock(shape: str, seed: int = 0):
+    from g4ops.models import build_model
+
+    kwargs = dict(SHAPES[shape][0])
+    # eager: the attention math the Neuron graph uses (SDPA differs in the last bits)
+    return build_model(kwargs.pop("shape"), seed=seed, attn_implementation="eager", **kwargs)
+
+
+@torch.no_grad()
+def stock_greedy(hf, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """transformers' own greedy generate (DynamicCache, sliding layers and shared KV as stock does them)."""
+    gen = copy.deepcopy(hf.generation_config)
+    gen.do_sample, gen.eos_token_id, gen.max_new_tokens, gen.pad_token_id = False, None, new_tokens, 0
+    gen.max_length = None
+    return hf.generate(prompt, generation_config=gen)[:, prompt.shape[1] :]
+
+
+@torch.no_grad()
+def stock_logits(hf, prompt: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced logits [B, new, V] (fp32) of stock at every generated position, one full forward."""
+    seq = torch.cat([prompt, generated[:, :-1]], dim=1)
+    logits = hf(seq).logits.float()
+    return logits[:, prompt.shape[1] - 1 :]
+
+
+@dataclass
+class CheckReport:
+    shape: str
+    tp: int
+    positions: tuple[int, int]
+    sliding_window: int
+    stock_tokens: torch.Tensor
+    tp1_tokens: torch.Tensor
+    tpn_tokens: torch.Tensor | None
+    tp1_vs_stock_logit_diff: float
+    tpn_vs_tp1_logit_diff: float | None
+    prefill_calls: list
+    aliased_buffers: dict[str, list[str]] = field(default_factory=dict)
+    kv_names: list[str] = field(default_factory=list)
+    graph_breaks: dict[str, int | None] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def seq_match_stock(self) -> bool:
+        return torch.equal(self.stock_tokens, self.tp1_tokens)
+
+    @property
+    def seq_match_tp(self) -> bool | None:
+        return None if self.tpn_tokens is None else torch.equal(self.tpn_tokens, self.tp1_tokens)
+
+    @property
+    def exports_ok(self) -> bool:
+        return all(sorted(v) == sorted(self.kv_names) for v in self.aliased_buffers.values()) and all(
+            b in (0, None) for b in self.graph_breaks.values()
+        )
+
+    def lines(self) -> list[str]:
+        a, b = self.positions
+        out = [
+            f"shape {self.shape}: generated positions {a}..{b}, sliding window {self.sliding_window} "
+            f"(decode past the window: {b >= self.sliding_window}, crosses position {self.sliding_window} during "
+            f"decode: {a <= self.sliding_window <= b}); prefill calls (bucket, valid) {self.prefill_calls}",
+            f"stock transformers vs TP=1: SEQ_MATCH {self.seq_match_stock}; "
+            f"max |logit diff| vs stock teacher-forced {self.tp1_vs_stock_logit_diff:.3g}",
+        ]
+        if self.tpn_tokens is not None:
+            out.append(
+                f"TP={self.tp} (gloo, {self.tp} processes) vs TP=1: SEQ_MATCH {self.seq_match_tp}; "
+                f"max |logit diff| {self.tpn_vs_tp1_logit_diff:.3g}"
+            )
+        for name, bufs in self.aliased_buffers.items():
+            out.append(
+                f"export {name}: graph breaks {self.graph_breaks.get(name)}, mutated (aliased) buffers "
+                f"{len(bufs)} = KV buffers: {sorted(bufs) == sorted(self.kv_names)}"
+            )
+        out.append(f"aliased KV buffers ({len(self.kv_names)}): {self.kv_names}")
+        ok = self.seq_match_stock and self.seq_match_tp in (True, None)
+        out.append(f"SEQ_MATCH {ok}  ({self.seconds:.1f} s)")
+        return out
+
+
+def run_check(shape: str = "tiny-e4b", tp: int = 2, seed: int = 0, export: bool = True) -> CheckReport:
+    from .cpu_tp import run_tp_generate
+
+    t0 = time.time()
+    _, n_prompt, n_new, max_seq, buckets = SHAPES[shape]
+    hf = build_stock(shape, seed)
+    cfg = from_hf_config(hf.config)
+    gen = torch.Generator().manual_seed(seed + 7)
+    prompt = torch.randint(3, cfg.vocab_size, (1, n_prompt), generator=gen)
+
+    stock = stock_greedy(hf, prompt, n_new)
+    sd = hf.state_dict()
+    s1 = BuildSettings(tp=1, max_seq=max_seq, prefill_buckets=buckets, return_logits=True)
+    model, ple, _ = build_rank_model(sd, cfg, s1)
+    res = greedy_generate(module_step(model), prompt, n_new, s1, ple, cfg.pad_token_id)
+    tp1_logits = torch.stack(res.logits, dim=1)
+    ref_logits = stock_logits(hf, prompt, res.tokens)
+    report = CheckReport(
+        shape=shape, tp=tp, positions=(n_prompt, n_prompt + n_new - 1), sliding_window=cfg.sliding_window,
+        stock_tokens=stock, tp1_tokens=res.tokens, tpn_tokens=None,
+        tp1_vs_stock_logit_diff=(tp1_logits - ref_logits).abs().max().item(), tpn_vs_tp1_logit_diff=None,
+        prefill_calls=res.prefill_calls, kv_names=list(model.kv_names),
+    )  # fmt: skip
+    if tp > 1:
+        sn = BuildSettings(tp=tp, max_seq=max_seq, prefill_buckets=buckets, return_logits=True)
+        ranks = run_tp_generate(sd, cfg, sn, prompt, n_new)
+        report.tpn_tokens = ranks[0]["tokens"]
+        if not all(torch.equal(r["tokens"], ranks[0]["tokens"]) for r in ranks):
+            report.tpn_tokens = torch.full_like(ranks[0]["tokens"], -1)  # ranks disagree: never a match
+        report.tpn_vs_tp1_logit_diff = max((r["logits"] - tp1_logits).abs().max().item() for r in ranks)
+    if export:
+        s_exp = BuildSettings(tp=1, max_seq=max_seq, prefill_buckets=buckets)
+        m_exp, _, _ = build_rank_model(sd, cfg, s_exp)
+        for e in export_buckets(m_exp):
+            report.aliased_buffers[e.name] = e.mutated_buffers
+            report.graph_breaks[e.name] = e.graph_breaks
+    report.seconds = time.time() - t0
+    return report
