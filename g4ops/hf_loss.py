@@ -53,10 +53,14 @@ def _explicit_params(fn) -> set[str]:
 
 
 def _output_class(stock_forward):
-    """The output class stock returns (found in the stock forward's module), and its field names."""
-    namespace = getattr(inspect.unwrap(stock_forward), "__globals__", {})
-    cls = namespace.get("Gemma4CausalLMOutputWithPast")
-    if cls is None:
+    """The output class stock returns (its forward's return annotation: Gemma4CausalLMOutputWithPast in recent
+    transformers, CausalLMOutputWithPast in 5.6), and its field names."""
+    function = inspect.unwrap(stock_forward)
+    namespace = getattr(function, "__globals__", {})
+    cls = getattr(function, "__annotations__", {}).get("return")
+    if isinstance(cls, str):
+        cls = namespace.get(cls.split(".")[-1].strip("'\""))
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         from transformers.modeling_outputs import CausalLMOutputWithPast as cls
     return cls, frozenset(f.name for f in dataclasses.fields(cls))
 
