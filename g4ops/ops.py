@@ -202,9 +202,9 @@ def _geglu_mlp_forward_fake(x, w_gate, w_up, w_down):
 @torch.library.register_fake("g4ops::geglu_mlp_backward", lib=_lib)
 def _geglu_mlp_backward_fake(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask):
     _check_geglu(x, w_gate, w_up, w_down)
-    empty = x.new_empty(0)
+    # one fresh empty tensor per skipped output (outputs must not alias), as the real kernels return
     return tuple(
-        t.new_empty(t.shape) if wanted else empty
+        t.new_empty(t.shape) if wanted else x.new_empty(0)
         for t, wanted in zip((x, w_gate, w_up, w_down), output_mask)
     )
 

@@ -102,9 +102,10 @@ def geglu_mlp_backward(
     grad_h = F.linear(grad_out, w_down.t())
     grad_gate, grad_up, h = gelu_tanh_mul_backward(grad_h, gate, up)
     rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
-    empty = x.new_empty(0)
-    grad_x = (F.linear(grad_gate, w_gate.t()) + F.linear(grad_up, w_up.t())).contiguous() if output_mask[0] else empty
-    grad_wg = (rows(grad_gate).t() @ rows(x)) if output_mask[1] else empty
-    grad_wu = (rows(grad_up).t() @ rows(x)) if output_mask[2] else empty
-    grad_wd = (rows(grad_out).t() @ rows(h)) if output_mask[3] else empty
+    # a fresh empty tensor per skipped output: outputs of a functional op must not alias each other
+    empty = lambda: x.new_empty(0)  # noqa: E731
+    grad_x = (F.linear(grad_gate, w_gate.t()) + F.linear(grad_up, w_up.t())).contiguous() if output_mask[0] else empty()
+    grad_wg = (rows(grad_gate).t() @ rows(x)) if output_mask[1] else empty()
+    grad_wu = (rows(grad_up).t() @ rows(x)) if output_mask[2] else empty()
+    grad_wd = (rows(grad_out).t() @ rows(h)) if output_mask[3] else empty()
     return grad_x, grad_wg, grad_wu, grad_wd

@@ -1,0 +1,349 @@
+"""Test oracle for the g4ops ops: fp64 math, stock transformers, an error metric, one tolerance table, random inputs.
+
+- fp64 oracle: the forward and every gradient of both ops, written here in closed form from design.md sections 3
+  and 4 (not imported from g4ops.reference, so a bug there cannot hide in its own yardstick). `test_ops.py` checks
+  the closed forms against torch autograd in fp64.
+- stock: what a user of HF transformers runs today, taken from transformers itself: `Gemma4RMSNorm` and
+  `down(act(gate(x)) * up(x))` with `ACT2FN["gelu_pytorch_tanh"]`. Its gradients are torch autograd through it.
+- `rel_err`: ||out - ref|| / ||ref|| in fp64; NaN or inf anywhere counts as a failure (returns inf).
+- `TOLERANCE` and the functions below it: the only place a test takes a tolerance from.
+- random inputs that never contain zeros, in contiguous and strided layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+F64 = torch.float64
+
+# ----------------------------------------------------------------------------------------------------------------
+# fp64 oracle. Every function takes tensors of any floating dtype and device, and computes in fp64.
+
+
+def _f64(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().to(F64)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """y = x * (mean(x^2) + eps)^-1/2 * weight  (no `1 + w` offset)."""
+    x, w = _f64(x), _f64(weight)
+    y = x * (x.square().mean(-1, keepdim=True) + eps).rsqrt()
+    return y if w is None else y * w
+
+
+def rms_norm_grads(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dL/dx, dL/dweight or None), from y_i = w_i x_i r with r = (sum_j x_j^2 / D + eps)^-1/2.
+
+    dy_i/dx_k = w_i (r delta_ik - x_i r^3 x_k / D), so with g_i = grad_out_i w_i:
+        dL/dx_k = r g_k - r^3 x_k / D * sum_i g_i x_i
+        dL/dw_i = sum over rows of grad_out_i x_i r
+    """
+    dy, x, w = _f64(grad_out), _f64(x), _f64(weight)
+    d = x.shape[-1]
+    r = (x.square().mean(-1, keepdim=True) + eps).rsqrt()
+    g = dy if w is None else dy * w
+    dx = r * g - r.pow(3) * x * (g * x).sum(-1, keepdim=True) / d
+    dw = None if w is None else (dy * x * r).reshape(-1, d).sum(0)
+    return dx, dw
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_A = 0.044715
+
+
+def gelu_tanh(g: torch.Tensor) -> torch.Tensor:
+    """0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), the `approximate="tanh"` GELU."""
+    g = _f64(g)
+    return 0.5 * g * (1.0 + torch.tanh(_GELU_C * (g + _GELU_A * g.pow(3))))
+
+
+def gelu_tanh_grad(g: torch.Tensor) -> torch.Tensor:
+    """d gelu_tanh / dg = 0.5 (1 + t) + 0.5 g (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 g^2)."""
+    g = _f64(g)
+    t = torch.tanh(_GELU_C * (g + _GELU_A * g.pow(3)))
+    return 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t.square()) * _GELU_C * (1.0 + 3.0 * _GELU_A * g.square())
+
+
+def geglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """down(gelu_tanh(x Wg^T) * (x Wu^T)), weights [out, in]."""
+    x, wg, wu, wd = map(_f64, (x, w_gate, w_up, w_down))
+    return (gelu_tanh(x @ wg.T) * (x @ wu.T)) @ wd.T
+
+
+def geglu_mlp_grads(
+    grad_out: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dL/dx, dL/dw_gate, dL/dw_up, dL/dw_down) of out = h Wd^T, h = gelu(g) * u, g = x Wg^T, u = x Wu^T."""
+    dout, x, wg, wu, wd = map(_f64, (grad_out, x, w_gate, w_up, w_down))
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    g, u = x @ wg.T, x @ wu.T
+    h = gelu_tanh(g) * u
+    dh = dout @ wd
+    dg = dh * u * gelu_tanh_grad(g)
+    du = dh * gelu_tanh(g)
+    dx = dg @ wg + du @ wu
+    return dx, rows(dg).T @ rows(x), rows(du).T @ rows(x), rows(dout).T @ rows(h)
+
+
+def rms_norm_abs_terms(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(y, dx, dw) computed with every term of their final sum replaced by its absolute value.
+
+    ||abs_terms|| / ||result|| is the condition number of that sum (>= 1): how much relative errors in its terms
+    are amplified by cancellation (`condition`, used by `floor`). y = x r w has no sum. dx = r g - r^3 x sum(g x) / D
+    cancels when g is nearly parallel to x; dw sums over rows."""
+    dy, x, w = _f64(grad_out), _f64(x), _f64(weight)
+    d = x.shape[-1]
+    r = (x.square().mean(-1, keepdim=True) + eps).rsqrt()
+    g = dy if w is None else dy * w
+    y = rms_norm(x, w, eps).abs()
+    dx = r * g.abs() + r.pow(3) * x.abs() * (g * x).abs().sum(-1, keepdim=True) / d
+    dw = None if w is None else (dy * x * r).abs().reshape(-1, d).sum(0)
+    return y, dx, dw
+
+
+def geglu_mlp_abs_terms(
+    grad_out: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, dx, dw_gate, dw_up, dw_down) with the GEMM that produces each from the [rows, intermediate] tensors
+    (h, dg, du: where implementations round differently) taken over absolute values: |A| |B| for A B."""
+    dout, x, wg, wu, wd = map(_f64, (grad_out, x, w_gate, w_up, w_down))
+    rows = lambda t: t.reshape(-1, t.shape[-1]).abs()  # noqa: E731
+    g, u = x @ wg.T, x @ wu.T
+    h = gelu_tanh(g) * u
+    dh = dout @ wd
+    dg = dh * u * gelu_tanh_grad(g)
+    du = dh * gelu_tanh(g)
+    return (
+        h.abs() @ wd.abs().T,
+        dg.abs() @ wg.abs() + du.abs() @ wu.abs(),
+        rows(dg).T @ rows(x),
+        rows(du).T @ rows(x),
+        rows(dout).T @ rows(h),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stock transformers: the baseline g4ops must be at least as accurate as.
+
+
+def stock_rms_norm_module(dim: int, weight: torch.Tensor | None, eps: float) -> torch.nn.Module:
+    """transformers' Gemma4RMSNorm with `weight` (any dtype; None means with_scale=False) as its parameter."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    module = Gemma4RMSNorm(dim, eps=eps, with_scale=weight is not None)
+    if weight is not None:
+        module.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+    return module
+
+
+def stock_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Gemma4RMSNorm(x); differentiable w.r.t. x and (through the module's parameter) not w.r.t. `weight`.
+    Use `stock_rms_norm_with_grads` for gradients."""
+    return stock_rms_norm_module(x.shape[-1], weight, eps)(x)
+
+
+def stock_rms_norm_with_grads(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, grad_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(out, dL/dx, dL/dweight or None) from autograd through Gemma4RMSNorm, in the inputs' own dtypes."""
+    module = stock_rms_norm_module(x.shape[-1], weight, eps)
+    if weight is not None:
+        module.weight.requires_grad_(True)
+    x = x.detach().requires_grad_(True)
+    out = module(x)
+    out.backward(grad_out)
+    return out.detach(), x.grad, (module.weight.grad if weight is not None else None)
+
+
+def stock_geglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """Gemma4TextMLP.forward: down_proj(act_fn(gate_proj(x)) * up_proj(x)), as F.linear with these weights."""
+    from transformers.activations import ACT2FN
+
+    act = ACT2FN["gelu_pytorch_tanh"]
+    return F.linear(act(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+def with_grads(fn, inputs: list[torch.Tensor], grad_out: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(fn(*inputs), [dL/d input for each input]) with fresh leaves that keep the inputs' strides."""
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    return out.detach(), list(grads)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Error metric
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref||_2 / ||ref||_2 in fp64. NaN/inf in `out` (or a 0/0) returns inf, which fails every bound."""
+    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    o, r = out.detach().to(F64).cpu(), ref.detach().to(F64).cpu()
+    if not torch.isfinite(o).all():
+        return math.inf
+    num, den = torch.linalg.vector_norm(o - r).item(), torch.linalg.vector_norm(r).item()
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    err = num / den
+    return err if math.isfinite(err) else math.inf
+
+
+def condition(abs_terms: torch.Tensor, ref: torch.Tensor) -> float:
+    """||abs_terms|| / ||ref|| (>= 1; inf when the result is exactly zero): the amplification of relative errors
+    in the terms of the final sum that produced `ref` (see `rms_norm_abs_terms`, `geglu_mlp_abs_terms`)."""
+    den = torch.linalg.vector_norm(ref.detach().to(F64)).item()
+    return math.inf if den == 0.0 else max(1.0, torch.linalg.vector_norm(abs_terms.detach().to(F64)).item() / den)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tolerances: the one table, and the two bounds derived from it.
+#
+# Each row holds the unit roundoff u = eps/2 of a storage dtype (the largest relative error of one
+# round-to-nearest) and u_acc, that of the dtype its reductions accumulate in: bf16/fp16 GEMMs and the ops'
+# reductions accumulate in fp32 on CPU and CUDA, so u_acc = 2^-24 for them.
+#
+# (1) `tolerance(dtype, k, roundings)`: an upper bound on the norm-wise relative error, against the fp64 oracle
+#     evaluated on the same (already rounded) inputs, of a result that went through `roundings` roundings to
+#     `dtype` and reductions of length k in u_acc. Each rounding adds at most u (norm-wise, since every element's
+#     error is at most u times itself; errors that pass through a GEMM stay about that size because their signs are
+#     random). A k-term sum in u_acc has worst-case error k * u_acc * sum|terms| (Higham, Thm. 3.1) but, with
+#     rounding errors of random sign, grows like sqrt(k) * u_acc; we use 4 sqrt(k) u_acc. Callers count roundings
+#     generously (every intermediate that is stored in `dtype`), which is the margin.
+# (2) `floor(dtype, k, n)`: the additive slack in "err_g4ops <= 1.05 * err_stock + floor". Two terms, both noise
+#     that says nothing about which implementation is more accurate:
+#     - reordering noise: g4ops may sum the k terms of a reduction in another order than stock; the difference is
+#       of the size of the accumulation error, 4 sqrt(k) u_acc. Far below one bf16/fp16 rounding, so comparisons in
+#       those dtypes stay strict; in fp32 it is the whole error budget (fp32 results differ by order only).
+#     - sampling noise: the norm-wise error over n elements is an average of n per-element rounding errors, each
+#       within [-u, u] relative, so it scatters by about u / sqrt(n) from sample to sample. An implementation with
+#       fewer roundings is more accurate on average but can lose the draw on a handful of elements; we allow
+#       4 u / sqrt(n) (four standard deviations).
+#     With k = 769 and n = 4096 elements this floor is 0.06 u in bf16: the 5% margin still dominates.
+
+
+@dataclass(frozen=True)
+class DtypeTolerance:
+    u: float  # unit roundoff of the storage dtype: eps / 2
+    u_acc: float  # unit roundoff of the accumulation dtype of reductions over values of this dtype
+
+
+TOLERANCE: dict[torch.dtype, DtypeTolerance] = {
+    torch.bfloat16: DtypeTolerance(u=torch.finfo(torch.bfloat16).eps / 2, u_acc=torch.finfo(torch.float32).eps / 2),
+    torch.float16: DtypeTolerance(u=torch.finfo(torch.float16).eps / 2, u_acc=torch.finfo(torch.float32).eps / 2),
+    torch.float32: DtypeTolerance(u=torch.finfo(torch.float32).eps / 2, u_acc=torch.finfo(torch.float32).eps / 2),
+    torch.float64: DtypeTolerance(u=torch.finfo(torch.float64).eps / 2, u_acc=torch.finfo(torch.float64).eps / 2),
+}
+
+
+def _accumulation_noise(row: DtypeTolerance, k: int) -> float:
+    return 4.0 * math.sqrt(max(k, 1)) * row.u_acc
+
+
+def tolerance(dtype: torch.dtype, k: int, roundings: int = 1) -> float:
+    """Bound (1): relative error vs fp64 after `roundings` roundings to `dtype` and length-k fp32/fp64 reductions."""
+    row = TOLERANCE[dtype]
+    return roundings * row.u + _accumulation_noise(row, k)
+
+
+SAMPLING_SIGMAS = 4.0
+
+
+def floor(dtype: torch.dtype, k: int, n: int, kappa: float = 1.0, draws: int = 1) -> float:
+    """Bound (2): slack of "err_g4ops <= 1.05 * err_stock + floor" for errors averaged over `draws` independent
+    draws, each with n elements rounded differently by the two implementations, reductions of length k, and final
+    sums of condition `kappa` (root mean square over the draws; 1 when there is no cancellation)."""
+    row = TOLERANCE[dtype]
+    return kappa * (_accumulation_noise(row, k) + SAMPLING_SIGMAS * row.u / math.sqrt(max(n * draws, 1)))
+
+
+STOCK_MARGIN = 1.05  # g4ops may be 5% worse than stock before the floor: a margin for the comparison, not a budget
+
+
+def assert_no_worse_than_stock(name: str, err_g4: float, err_stock: float, slack: float) -> None:
+    bound = STOCK_MARGIN * err_stock + slack
+    assert err_g4 <= bound, (
+        f"{name}: g4ops error vs fp64 {err_g4:.3e} > {STOCK_MARGIN} * stock error {err_stock:.3e} + floor "
+        f"{slack:.3e} = {bound:.3e}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Random inputs. Values never are zero (|v| >= 2^-8 before scaling), and layouts cover the strided cases the ops
+# see in a model: slices of a wider projection, transposed storage, every other row, q/k-norm head views.
+
+LAYOUTS = ("contiguous", "sliced", "transposed", "rowstep")
+
+
+def nonzero_randn(shape, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """fp32 normal samples with |v| >= 2^-8 (then times `scale`), on CPU from `gen`."""
+    v = torch.randn(shape, generator=gen, dtype=torch.float32)
+    v = torch.where(v < 0, -1.0, 1.0) * v.abs().clamp_min(2.0**-8)
+    return v * scale
+
+
+def _materialise(base: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    out = base.to(dtype=dtype, device=device)
+    assert (out != 0).all(), "random input underflowed to zero: use a larger scale"
+    return out
+
+
+def make_tensor(
+    shape,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    layout: str = "contiguous",
+    device="cpu",
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """A random nonzero tensor of `shape` whose memory layout is `layout`:
+
+    contiguous  plain
+    sliced      x[..., :D] of a wider [..., D + 5] tensor: rows strided, last dim contiguous (a fused-QKV slice)
+    transposed  the transpose of a contiguous tensor of the reversed shape: last dim not contiguous
+    rowstep     x[::2] along the first dim: non-contiguous rows, last dim contiguous
+    The result is a view into a larger or permuted base (callers that want a leaf use .detach()).
+    """
+    shape = tuple(shape)
+    if layout == "contiguous" or len(shape) == 0:
+        return _materialise(nonzero_randn(shape, gen, scale), dtype, device)
+    if layout == "sliced":
+        wide = _materialise(nonzero_randn((*shape[:-1], shape[-1] + 5), gen, scale), dtype, device)
+        return wide[..., : shape[-1]]
+    if layout == "transposed":
+        base = _materialise(nonzero_randn(shape[::-1], gen, scale), dtype, device)
+        return base.permute(*reversed(range(len(shape))))
+    if layout == "rowstep":
+        base = _materialise(nonzero_randn((2 * shape[0], *shape[1:]), gen, scale), dtype, device)
+        return base[::2]
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def make_qk_view(
+    batch: int, seq: int, heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator, device="cpu",
+    transpose: bool = False, extra_heads: int = 2,
+) -> torch.Tensor:
+    """A q/k-norm style 4-D view: the first heads * head_dim columns of a [b, s, (heads + extra) * head_dim] fused
+    projection, viewed as [b, s, heads, head_dim] (or transposed to [b, heads, s, head_dim] when `transpose`)."""
+    proj = _materialise(nonzero_randn((batch, seq, (heads + extra_heads) * head_dim), gen), dtype, device)
+    x = proj[..., : heads * head_dim].view(batch, seq, heads, head_dim)
+    return x.transpose(1, 2) if transpose else x
+
+
+def make_mlp_weights(
+    hidden: int, inter: int, dtype: torch.dtype, gen: torch.Generator, device="cpu", layout: str = "contiguous"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w_gate [inter, hidden], w_up [inter, hidden], w_down [hidden, inter]) scaled by 1/sqrt(fan_in) like
+    nn.Linear's init, so activations stay O(1) (fp16 does not overflow at any tested size)."""
+    return (
+        make_tensor((inter, hidden), dtype, gen, layout, device, scale=hidden**-0.5),
+        make_tensor((inter, hidden), dtype, gen, layout, device, scale=hidden**-0.5),
+        make_tensor((hidden, inter), dtype, gen, layout, device, scale=inter**-0.5),
+    )
