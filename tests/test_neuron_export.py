@@ -1,0 +1,102 @@
+"""Per-bucket graph hygiene (design.md section 6): each bucket exports as one graph with no breaks, the graph
+mutates exactly the KV buffers, the Neuron flavour returns them as aliased outputs, and nothing rank-dependent
+is left as a constant the SPMD trace would bake in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import g4ops
+from neuron_backend.check import build_stock
+from neuron_backend.compile import (
+    NeuronUnavailable,
+    neuron_module,
+    promote_persistent_buffers,
+    require_neuron,
+)
+from neuron_backend.config import BuildSettings, from_hf_config
+from neuron_backend.export import example_inputs, export_buckets
+from neuron_backend.loader import build_rank_model
+
+pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    g4ops.disable()
+    hf = build_stock("tiny-e4b")
+    return hf, from_hf_config(hf.config)
+
+
+def test_every_bucket_exports_and_mutates_exactly_the_kv_buffers(tiny):
+    hf, cfg = tiny
+    s = BuildSettings(tp=1, max_seq=32, prefill_buckets=(16,))  # a prefill chunk longer than the window (8)
+    model, _, _ = build_rank_model(hf.state_dict(), cfg, s)
+    kv = sorted(model.kv_names)
+    assert len(kv) == 2 * len(cfg.kv_owner_layers) == 8  # 4 KV-owning layers of 6, K and V each
+    exports = export_buckets(model)
+    assert [e.name for e in exports] == ["prefill_16", "decode"]
+    for e in exports:
+        assert e.graph_breaks == 0, e.name
+        assert e.mutated_buffers == kv, e.name
+        targets = {str(n.target) for n in e.program.graph.nodes if n.op == "call_function"}
+        assert "g4ops.rms_norm.default" in targets and "g4ops.geglu_mlp.default" in targets
+        # the exported program computes what the module computes (run on fresh buffers)
+        args = example_inputs(model, e.tokens)
+        model.reset_cache()
+        eager = model(*args)
+        model.reset_cache()
+        assert torch.equal(e.program.module()(*args), eager)
+
+
+def test_ring_buffers_are_sized_to_the_window(tiny):
+    hf, cfg = tiny
+    s = BuildSettings(tp=1, max_seq=64, prefill_buckets=(16,))
+    model, _, _ = build_rank_model(hf.state_dict(), cfg, s)
+    for i in cfg.kv_owner_layers:
+        slots = getattr(model, f"k_cache_{i}").shape[2]
+        assert slots == (cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else 64)
+
+
+def test_aliased_outputs_mode_returns_new_kv_in_alias_order(tiny):
+    hf, cfg = tiny
+    s = BuildSettings(tp=1, max_seq=32, prefill_buckets=(16,))
+    buf_model, _, _ = build_rank_model(hf.state_dict(), cfg, s)
+    ali_model, _, _ = build_rank_model(hf.state_dict(), cfg, s, kv_mode="aliased_outputs")
+    args = example_inputs(buf_model, 16)
+    with torch.no_grad():
+        tok = buf_model(*args)
+        out = ali_model(*args)
+    aliases = ali_model.io_aliases()
+    assert len(out) == 1 + len(ali_model.kv_names) and torch.equal(out[0], tok)
+    for name, param in zip(ali_model.kv_names, ali_model.kv_tensors()):
+        assert isinstance(param, torch.nn.Parameter) and not param.requires_grad
+        assert torch.equal(out[aliases[param]], getattr(buf_model, name))
+        assert torch.count_nonzero(param) == 0  # the aliased flavour leaves the mutation to the runtime
+
+
+def test_rank_dependent_state_becomes_weights_for_the_spmd_trace(tiny):
+    _, cfg = tiny
+
+    class NoComm:
+        world_size, rank = 2, 0
+
+    model = neuron_module(cfg, BuildSettings(tp=2, max_seq=32), NoComm())
+    params = dict(model.named_parameters())
+    assert "embed_tokens.vocab_start" in params  # differs per rank: must be a weight, not a baked constant
+    assert all(f"layers.{i}.layer_scalar" in params for i in range(cfg.num_layers))
+    assert not dict(model.named_buffers(remove_duplicate=False)).keys() - {
+        n for n, _ in model.named_buffers() if "inv_freq" in n or n == "embed_scale"
+    }
+    assert promote_persistent_buffers(model) == []  # idempotent
+
+
+def test_compile_without_neuron_sdk_says_what_to_install():
+    try:
+        import torch_neuronx  # noqa: F401
+    except ImportError:
+        with pytest.raises(NeuronUnavailable, match="torch-neuronx and neuronx-distributed"):
+            require_neuron()
+    else:
+        pytest.skip("torch-neuronx is installed")

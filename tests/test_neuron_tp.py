@@ -1,0 +1,53 @@
+"""neuron_backend at TP=2: two CPU processes over gloo (torch.multiprocessing spawn, free port) against TP=1.
+
+Tokens must be identical (the argmax is distributed: each rank reduces its vocab shard, the gathered maxima pick
+the winner). Logits differ from TP=1 only by the summation order of the fp32 all-reduces, so the allowed
+difference is the TP=1-vs-stock difference scale of the same model (see test_neuron_model.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import g4ops
+from neuron_backend.check import build_stock
+from neuron_backend.config import BuildSettings, from_hf_config
+from neuron_backend.cpu_tp import run_tp_generate
+from neuron_backend.generate import greedy_generate, module_step
+from neuron_backend.loader import build_rank_model
+
+pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
+pytestmark = pytest.mark.slow  # spawns processes
+
+
+def _tp1(sd, cfg, prompt, new, **kw):
+    s = BuildSettings(tp=1, return_logits=True, **kw)
+    model, ple, _ = build_rank_model(sd, cfg, s)
+    res = greedy_generate(module_step(model), prompt, new, s, ple, cfg.pad_token_id)
+    return res.tokens, torch.stack(res.logits, dim=1)
+
+
+@pytest.mark.parametrize(
+    "shape,prompt_len,new,kw,tol",
+    [
+        # tiny: fp32 round-off only (TP=1 vs stock is ~2e-6 on this model)
+        ("tiny-e4b", 13, 24, dict(max_seq=64, prefill_buckets=(4, 16)), 2e-5),
+        # E4B attention shapes past position 512; stock's own cached-vs-uncached logits differ by ~9e-4 here
+        ("e4b-mini", 500, 16, dict(max_seq=640, prefill_buckets=(128, 512)), 4e-3),
+    ],
+)
+def test_tp2_matches_tp1(shape, prompt_len, new, kw, tol):
+    g4ops.disable()
+    hf = build_stock(shape)
+    cfg = from_hf_config(hf.config)
+    sd = hf.state_dict()
+    prompt = torch.randint(3, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(7))
+    tokens1, logits1 = _tp1(sd, cfg, prompt, new, **kw)
+    ranks = run_tp_generate(sd, cfg, BuildSettings(tp=2, return_logits=True, **kw), prompt, new)
+    for r in ranks:
+        assert torch.equal(r["tokens"], tokens1)
+        assert (r["logits"] - logits1).abs().max().item() <= tol
+        assert r["consumed_keys"] == len(sd)  # every HF key consumed on every rank (tied lm_head included)
+    # each rank holds 1 of the 2 kv heads: its KV buffer list is the TP=1 one (same layers), half as wide
+    assert ranks[0]["kv_names"] == ranks[1]["kv_names"]
