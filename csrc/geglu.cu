@@ -12,7 +12,8 @@
 //             for them.
 // GEMMs are cuBLAS through ATen (at::mm / addmm_) on the current stream. The GeGLU product and its backward are
 // fused elementwise kernels (16-byte vectors, scalar tail). float64 runs the same kernels with double math.
-// Decode path: for 1..8 rows of float16/bfloat16 with 16-byte-aligned contiguous operands, two GEMV kernels
+// Decode path: for 1 row (kernels take up to 8; see gemv_eligible) of float16/bfloat16 with 16-byte-aligned
+// contiguous operands, two GEMV kernels
 // replace the three GEMMs: the first streams w_gate and w_up once (16-byte no-L1 loads, several in flight per lane),
 // rounds gate/up to x.dtype (so it computes what the GEMM path computes, up to summation order) and applies the
 // GeGLU epilogue; the second streams w_down. Every output element is assigned exactly once; nothing accumulates
@@ -322,7 +323,9 @@ at::Tensor geglu_elementwise(const at::Tensor& gate, const at::Tensor& up) {
 bool gemv_eligible(const at::Tensor& x2d, const at::Tensor& w_gate, const at::Tensor& w_up,
                    const at::Tensor& w_down) {
   const int64_t m = x2d.size(0), K = x2d.size(1), I = w_gate.size(0), H = w_down.size(0);
-  if (m < 1 || m > 8) return false;
+  // One row only: on the H200 (2026-11-29) the GEMV pair took 44.7 us at 1 row (cuBLAS 51-52 us) but 66.6 us at 4
+  // rows (cuBLAS 51.8 us), so 2..8 rows stay on cuBLAS until the multi-row GEMV is tuned.
+  if (m != 1) return false;
   const auto dt = x2d.scalar_type();
   if (dt != at::kHalf && dt != at::kBFloat16) return false;
   if (K % 8 != 0 || I % 8 != 0 || K == 0 || I == 0 || H == 0) return false;
@@ -382,7 +385,7 @@ at::Tensor geglu_forward_impl(const at::Tensor& x, const at::Tensor& w_gate, con
   const auto opts = x.options().memory_format(at::MemoryFormat::Contiguous);
   at::Tensor x2d = as_rows(x);
   const int64_t m = x2d.size(0);
-  if (m > 0 && m <= 8 && gemv_eligible(x2d, w_gate, w_up, w_down)) {
+  if (gemv_eligible(x2d, w_gate, w_up, w_down)) {
     x2d = x2d.contiguous();
     if (aligned_to(x2d.data_ptr(), 16)) {
       at::Tensor out = at::empty({m, H}, opts);
