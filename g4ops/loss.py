@@ -179,9 +179,9 @@ def linear_cross_entropy_reference(
         h = h2[r0:r1]
         valid = valid_all[r0:r1]
         safe = torch.where(valid, lab[r0:r1], 0).unsqueeze(1)
-        z = F.linear(h, weight).to(acc)  # one GEMM in the input dtype, like stock's lm_head
+        z = F.linear(h, weight).to(acc)  # one GEMM in the input dtype, like stock's lm_head; a fresh tensor
         if cap:
-            t = torch.tanh(z.div_(cap))  # t kept for the softcap derivative
+            t = z.div_(cap).tanh_()  # in place; t is kept for the softcap derivative
             z = t * cap
         lse = torch.logsumexp(z, dim=-1)
         picked = z.gather(1, safe).squeeze(1)
@@ -193,7 +193,7 @@ def linear_cross_entropy_reference(
         p.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=acc))
         p.mul_((valid.to(acc) * scale).unsqueeze(1))
         if cap:
-            p.mul_(t.mul_(t).neg_().add_(1.0))  # d z / d logits = 1 - tanh^2
+            p.mul_(t.square_().neg_().add_(1.0))  # d z / d logits = 1 - tanh^2
             del t
         d = p.to(hidden.dtype)
         del p, z
