@@ -32,7 +32,7 @@ def test_e2e_smoke(tmp_path):
     decode = {(r["variant"], r["batch"]): r for r in res["decode"]}
     for (variant, batch), r in decode.items():
         assert r.get("tok_s", 0) > 0, r
-        assert r["final_position"] == 6 + 10  # prompt + every requested token (EOS suppressed)
+        assert r["final_position"] == 6 + 12  # prompt + every requested token (EOS suppressed)
     assert decode[("g4ops", 2)]["same_tokens_head"] is True  # fp32 on CPU: identical greedy tokens
     train = {(r["variant"], r["optimizer"]): r for r in res["train"]}
     for optimizer in ("none", "adamw"):
