@@ -34,6 +34,15 @@ import time
 
 _T0 = time.perf_counter()  # before torch/transformers imports: "time from process start"
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+# `python bench/e2e.py` puts bench/ first on sys.path, where sibling scripts (bench/profile.py) shadow stdlib modules
+# that torch._dynamo imports (cProfile -> profile). Only the repository root belongs there.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import gc  # noqa: E402
@@ -42,12 +51,9 @@ import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import traceback  # noqa: E402
 
 import torch  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import g4ops  # noqa: E402
 from g4ops.models import build_model, text_config  # noqa: E402

@@ -19,21 +19,27 @@ Launched without torchrun (no RANK in the environment), the script spawns `--npr
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import gc
-import json
-import os
-import socket
-import statistics
 import sys
-import time
-import traceback
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
+# `python bench/fsdp2.py` puts bench/ first on sys.path, where sibling scripts (bench/profile.py) shadow stdlib
+# modules that torch._dynamo imports (cProfile -> profile). Only the repository root belongs there.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 import g4ops  # noqa: E402
 from g4ops.models import build_model, text_config  # noqa: E402
