@@ -227,6 +227,9 @@ def condition(abs_terms: torch.Tensor, ref: torch.Tensor) -> float:
 #       fewer roundings is more accurate on average but can lose the draw on a handful of elements; we allow
 #       4 u / sqrt(n) (four standard deviations).
 #     With k = 769 and n = 4096 elements this floor is 0.06 u in bf16: the 5% margin still dominates.
+#     Both terms grow with the condition number kappa of the final sum where the differing values are its terms
+#     (see `floor`). Measured over 600 random MLP configurations (sizes 1 to 769, all layouts, 3 dtypes): the
+#     largest (err_g4ops - 1.05 err_stock) was 0.19 of this floor; on average g4ops' error is 10% below stock's.
 
 
 @dataclass(frozen=True)
@@ -256,12 +259,19 @@ def tolerance(dtype: torch.dtype, k: int, roundings: int = 1) -> float:
 SAMPLING_SIGMAS = 4.0
 
 
-def floor(dtype: torch.dtype, k: int, n: int, kappa: float = 1.0, draws: int = 1) -> float:
+def floor(
+    dtype: torch.dtype, k: int, n: int, kappa: float = 1.0, draws: int = 1, rounded_terms: bool = True
+) -> float:
     """Bound (2): slack of "err_g4ops <= 1.05 * err_stock + floor" for errors averaged over `draws` independent
-    draws, each with n elements rounded differently by the two implementations, reductions of length k, and final
-    sums of condition `kappa` (root mean square over the draws; 1 when there is no cancellation)."""
+    draws, each with n values rounded differently by the two implementations, reductions of length k, and a final
+    sum of condition `kappa` (root mean square over the draws; 1 when there is no cancellation).
+
+    `rounded_terms`: the differently rounded values are terms of that final sum (the MLP's h, dgate, dup), so
+    their errors are amplified by kappa too; False when the implementations differ only in how they round the
+    result itself (RMSNorm: both compute in fp32 and round once at the end), which no cancellation amplifies."""
     row = TOLERANCE[dtype]
-    return kappa * (_accumulation_noise(row, k) + SAMPLING_SIGMAS * row.u / math.sqrt(max(n * draws, 1)))
+    sampling = SAMPLING_SIGMAS * row.u / math.sqrt(max(n * draws, 1))
+    return kappa * _accumulation_noise(row, k) + (kappa if rounded_terms else 1.0) * sampling
 
 
 STOCK_MARGIN = 1.05  # g4ops may be 5% worse than stock before the floor: a margin for the comparison, not a budget
