@@ -20,6 +20,13 @@
 namespace g4ops {
 
 // ---------------------------------------------------------------------------------------------------------------
+// Input checks. G4OPS_CHECK is TORCH_CHECK that throws the c10::Error at the call site (C10_THROW_ERROR, as
+// TORCH_CHECK_TYPE does) instead of through c10::detail::torchCheckFail. On the H200 image (torch 2.11, nvcc 13.0,
+// 2026-11-29) every TORCH_CHECK that failed inside these nvcc-compiled launchers crashed the process (SIGSEGV),
+// while TORCH_CHECK_TYPE failures raised TypeError normally; the cause was not established there.
+#define G4OPS_CHECK(cond, ...) TORCH_CHECK_WITH(Error, cond, __VA_ARGS__)
+
+// ---------------------------------------------------------------------------------------------------------------
 // dtype dispatch. The body is a lambda; inside it `scalar_t` is the native CUDA element type.
 
 #define G4OPS_DISPATCH_CASE(ENUM, TYPE, ...) \
@@ -37,7 +44,7 @@ namespace g4ops {
       G4OPS_DISPATCH_CASE(at::ScalarType::BFloat16, __nv_bfloat16, __VA_ARGS__)                        \
       G4OPS_DISPATCH_CASE(at::ScalarType::Float, float, __VA_ARGS__)                                   \
       default:                                                                                         \
-        TORCH_CHECK(false, NAME, ": no CUDA kernel for dtype ", DTYPE);                                \
+        G4OPS_CHECK(false, NAME, ": no CUDA kernel for dtype ", DTYPE);                                \
     }                                                                                                  \
   }()
 
@@ -50,7 +57,7 @@ namespace g4ops {
       G4OPS_DISPATCH_CASE(at::ScalarType::Float, float, __VA_ARGS__)                                   \
       G4OPS_DISPATCH_CASE(at::ScalarType::Double, double, __VA_ARGS__)                                 \
       default:                                                                                         \
-        TORCH_CHECK(false, NAME, ": no CUDA kernel for dtype ", DTYPE);                                \
+        G4OPS_CHECK(false, NAME, ": no CUDA kernel for dtype ", DTYPE);                                \
     }                                                                                                  \
   }()
 
@@ -61,7 +68,7 @@ namespace g4ops {
       G4OPS_DISPATCH_CASE(at::ScalarType::Half, __half, __VA_ARGS__)                                   \
       G4OPS_DISPATCH_CASE(at::ScalarType::BFloat16, __nv_bfloat16, __VA_ARGS__)                        \
       default:                                                                                         \
-        TORCH_CHECK(false, NAME, ": no CUDA kernel for dtype ", DTYPE);                                \
+        G4OPS_CHECK(false, NAME, ": no CUDA kernel for dtype ", DTYPE);                                \
     }                                                                                                  \
   }()
 

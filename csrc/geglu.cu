@@ -248,27 +248,27 @@ void check_geglu_inputs(const char* op, const at::Tensor& x, const at::Tensor& w
   const auto dt = x.scalar_type();
   TORCH_CHECK_TYPE(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat || dt == at::kDouble,
               "g4ops: `x` must be float16, bfloat16, float32 or float64, got ", dt);
-  TORCH_CHECK(x.dim() >= 1, "g4ops.", op, ": `x` must have at least one dimension");
+  G4OPS_CHECK(x.dim() >= 1, "g4ops.", op, ": `x` must have at least one dimension");
   const std::pair<const char*, const at::Tensor*> ws[] = {{"w_gate", &w_gate}, {"w_up", &w_up}, {"w_down", &w_down}};
   for (const auto& nw : ws) {
     const at::Tensor& w = *nw.second;
     const auto wt = w.scalar_type();
     TORCH_CHECK_TYPE(wt == at::kHalf || wt == at::kBFloat16 || wt == at::kFloat || wt == at::kDouble, "g4ops: `",
                 nw.first, "` must be float16, bfloat16, float32 or float64, got ", wt);
-    TORCH_CHECK(w.dim() == 2, "g4ops.", op, ": `", nw.first, "` must be 2-D [out, in], got ", w.sizes());
-    TORCH_CHECK(wt == dt, "g4ops.", op, ": `", nw.first, "` is ", wt, " but `x` is ", dt,
+    G4OPS_CHECK(w.dim() == 2, "g4ops.", op, ": `", nw.first, "` must be 2-D [out, in], got ", w.sizes());
+    G4OPS_CHECK(wt == dt, "g4ops.", op, ": `", nw.first, "` is ", wt, " but `x` is ", dt,
                 "; the MLP weights must have the activation dtype (under torch.autocast the op casts them for you)");
-    TORCH_CHECK(w.device() == x.device(), "g4ops.", op, ": `", nw.first, "` is on ", w.device(), " but `x` is on ",
+    G4OPS_CHECK(w.device() == x.device(), "g4ops.", op, ": `", nw.first, "` is on ", w.device(), " but `x` is on ",
                 x.device());
   }
   const int64_t hidden = x.size(-1), inter = w_gate.size(0);
-  TORCH_CHECK(w_gate.size(1) == hidden, "g4ops.", op, ": `w_gate` must be [intermediate, ", hidden, "], got ",
+  G4OPS_CHECK(w_gate.size(1) == hidden, "g4ops.", op, ": `w_gate` must be [intermediate, ", hidden, "], got ",
               w_gate.sizes());
-  TORCH_CHECK(w_up.size(0) == inter && w_up.size(1) == hidden, "g4ops.", op, ": `w_up` must be [", inter, ", ",
+  G4OPS_CHECK(w_up.size(0) == inter && w_up.size(1) == hidden, "g4ops.", op, ": `w_up` must be [", inter, ", ",
               hidden, "] like `w_gate`, got ", w_up.sizes());
-  TORCH_CHECK(w_down.size(0) == hidden && w_down.size(1) == inter, "g4ops.", op, ": `w_down` must be [", hidden,
+  G4OPS_CHECK(w_down.size(0) == hidden && w_down.size(1) == inter, "g4ops.", op, ": `w_down` must be [", hidden,
               ", ", inter, "], got ", w_down.sizes());
-  TORCH_CHECK(x.is_cuda(), "g4ops.", op, ": the CUDA kernel got `x` on ", x.device());
+  G4OPS_CHECK(x.is_cuda(), "g4ops.", op, ": the CUDA kernel got `x` on ", x.device());
 }
 
 // x viewed as [rows, in] (rows = product of the leading dims, also when a dim is 0).
@@ -440,16 +440,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> geglu_mlp_backward_cu
   check_geglu_inputs("geglu_mlp_backward", x, w_gate, w_up, w_down);
   const int64_t K = x.size(-1), I = w_gate.size(0), H = w_down.size(0);
   const auto inter_shape = with_last(x, I), out_shape = with_last(x, H);
-  TORCH_CHECK(grad_out.sizes() == at::IntArrayRef(out_shape), "g4ops.geglu_mlp_backward: `grad_out` must have shape ",
+  G4OPS_CHECK(grad_out.sizes() == at::IntArrayRef(out_shape), "g4ops.geglu_mlp_backward: `grad_out` must have shape ",
               at::IntArrayRef(out_shape), ", got ", grad_out.sizes());
-  TORCH_CHECK(gate.sizes() == at::IntArrayRef(inter_shape) && up.sizes() == at::IntArrayRef(inter_shape),
+  G4OPS_CHECK(gate.sizes() == at::IntArrayRef(inter_shape) && up.sizes() == at::IntArrayRef(inter_shape),
               "g4ops.geglu_mlp_backward: `gate` and `up` must have shape ", at::IntArrayRef(inter_shape), ", got ",
               gate.sizes(), " and ", up.sizes());
   const std::pair<const char*, const at::Tensor*> others[] = {{"grad_out", &grad_out}, {"gate", &gate}, {"up", &up}};
   for (const auto& nt : others) {
-    TORCH_CHECK(nt.second->scalar_type() == x.scalar_type(), "g4ops.geglu_mlp_backward: `", nt.first, "` is ",
+    G4OPS_CHECK(nt.second->scalar_type() == x.scalar_type(), "g4ops.geglu_mlp_backward: `", nt.first, "` is ",
                 nt.second->scalar_type(), " but `x` is ", x.scalar_type());
-    TORCH_CHECK(nt.second->device() == x.device(), "g4ops.geglu_mlp_backward: `", nt.first, "` is on ",
+    G4OPS_CHECK(nt.second->device() == x.device(), "g4ops.geglu_mlp_backward: `", nt.first, "` is on ",
                 nt.second->device(), " but `x` is on ", x.device());
   }
   const c10::cuda::CUDAGuard guard(x.device());
@@ -496,7 +496,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> geglu_mlp_backward_cu
     }
   }
 
-  at::Tensor grad_x = empty, grad_wg = empty, grad_wu = empty, grad_wd = empty;
+  // a fresh empty tensor per masked-off output: outputs must not alias each other (opcheck's test_schema)
+  at::Tensor grad_x = empty, grad_wg = at::empty({0}, x.options()), grad_wu = at::empty({0}, x.options()),
+             grad_wd = at::empty({0}, x.options());
   if (output_mask[0]) {
     at::Tensor gx = at::mm(dg, w_gate);
     if (!gx.is_contiguous()) gx = gx.contiguous();
@@ -512,11 +514,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> geglu_mlp_backward_cu
 // g4ops_kernels::gelu_tanh_mul: the fused GeGLU product alone, for the kernel benchmark (bench/kernels.py) and
 // tests. Internal: CUDA only, no autograd, not part of the public op set.
 at::Tensor gelu_tanh_mul_cuda(const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(gate.sizes() == up.sizes(), "g4ops_kernels.gelu_tanh_mul: `up` must have the shape of `gate` ",
+  G4OPS_CHECK(gate.sizes() == up.sizes(), "g4ops_kernels.gelu_tanh_mul: `up` must have the shape of `gate` ",
               gate.sizes(), ", got ", up.sizes());
-  TORCH_CHECK(gate.scalar_type() == up.scalar_type(), "g4ops_kernels.gelu_tanh_mul: `up` is ", up.scalar_type(),
+  G4OPS_CHECK(gate.scalar_type() == up.scalar_type(), "g4ops_kernels.gelu_tanh_mul: `up` is ", up.scalar_type(),
               " but `gate` is ", gate.scalar_type());
-  TORCH_CHECK(gate.is_cuda() && up.device() == gate.device(),
+  G4OPS_CHECK(gate.is_cuda() && up.device() == gate.device(),
               "g4ops_kernels.gelu_tanh_mul: `gate` and `up` must be on one CUDA device");
   const c10::cuda::CUDAGuard guard(gate.device());
   return geglu_elementwise(gate.contiguous(), up.contiguous());

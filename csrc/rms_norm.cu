@@ -372,17 +372,17 @@ void check_rms_norm_inputs(const char* op, const at::Tensor& x, const std::optio
   const auto dt = x.scalar_type();
   TORCH_CHECK_TYPE(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat || dt == at::kDouble,
               "g4ops: `x` must be float16, bfloat16, float32 or float64, got ", dt);
-  TORCH_CHECK(x.dim() >= 1, "g4ops.", op, ": `x` must have at least one dimension");
-  TORCH_CHECK(eps >= 0.0, "g4ops.", op, ": `eps` must be >= 0, got ", eps);
-  TORCH_CHECK(x.is_cuda(), "g4ops.", op, ": the CUDA kernel got `x` on ", x.device());
+  G4OPS_CHECK(x.dim() >= 1, "g4ops.", op, ": `x` must have at least one dimension");
+  G4OPS_CHECK(eps >= 0.0, "g4ops.", op, ": `eps` must be >= 0, got ", eps);
+  G4OPS_CHECK(x.is_cuda(), "g4ops.", op, ": the CUDA kernel got `x` on ", x.device());
   if (weight.has_value()) {
     const auto& w = *weight;
     const auto wt = w.scalar_type();
     TORCH_CHECK_TYPE(wt == at::kHalf || wt == at::kBFloat16 || wt == at::kFloat || wt == at::kDouble,
                 "g4ops: `weight` must be float16, bfloat16, float32 or float64, got ", wt);
-    TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(-1), "g4ops.", op, ": `weight` must have shape [", x.size(-1),
+    G4OPS_CHECK(w.dim() == 1 && w.size(0) == x.size(-1), "g4ops.", op, ": `weight` must have shape [", x.size(-1),
                 "] (the last dim of `x`), got ", w.sizes());
-    TORCH_CHECK(w.device() == x.device(), "g4ops.", op, ": `weight` is on ", w.device(), " but `x` is on ",
+    G4OPS_CHECK(w.device() == x.device(), "g4ops.", op, ": `weight` is on ", w.device(), " but `x` is on ",
                 x.device());
   }
 }
@@ -438,12 +438,9 @@ bool rms_norm_fwd_typed(const at::Tensor& x, const RowIndexer& xi, const at::Ten
     launched = launch_fwd<T, WT, 1, 8>(cfg, xp, xi, wp, yp, rows, N, eps, stream);
   } else {
     switch (cfg.items) {
-      case 1:
-        // wide rows (E4B hidden 2560): two rows per thread, twice the bytes in flight and one barrier per two
-        // rows (one row per thread reached 70.7% of copy bandwidth at 16384 x 2560 on an H200, 2026-11-29)
-        launched = cfg.tpr > 32 ? launch_fwd<T, WT, V, 1, 2>(cfg, xp, xi, wp, yp, rows, N, eps, stream)
-                                : launch_fwd<T, WT, V, 1>(cfg, xp, xi, wp, yp, rows, N, eps, stream);
-        break;
+      // One row per thread: on an H200 (2026-11-29, 16384 x 2560 bf16) RPT = 2 measured 61.9 us against
+      // 55.8 us for RPT = 1, so the forward keeps one row per thread (the backward uses RPT = 2).
+      case 1: launched = launch_fwd<T, WT, V, 1>(cfg, xp, xi, wp, yp, rows, N, eps, stream); break;
       case 2: launched = launch_fwd<T, WT, V, 2>(cfg, xp, xi, wp, yp, rows, N, eps, stream); break;
       case 4: launched = launch_fwd<T, WT, V, 4>(cfg, xp, xi, wp, yp, rows, N, eps, stream); break;
       default: launched = launch_fwd<T, WT, V, 8>(cfg, xp, xi, wp, yp, rows, N, eps, stream); break;
@@ -459,7 +456,7 @@ at::Tensor rms_norm_cuda(const at::Tensor& x_in, const std::optional<at::Tensor>
   const int64_t N64 = x_in.size(-1);
   at::Tensor y = at::empty(x_in.sizes(), x_in.options().memory_format(at::MemoryFormat::Contiguous));
   if (y.numel() == 0) return y;
-  TORCH_CHECK(N64 <= INT32_MAX, "g4ops.rms_norm: last dim of `x` too large: ", N64);
+  G4OPS_CHECK(N64 <= INT32_MAX, "g4ops.rms_norm: last dim of `x` too large: ", N64);
   const int N = static_cast<int>(N64);
   const int64_t rows = x_in.numel() / N;
   RowIndexer xi;
@@ -538,11 +535,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
                                                           const std::optional<at::Tensor>& weight, double eps,
                                                           bool weight_grad) {
   check_rms_norm_inputs("rms_norm_backward", x_in, weight, eps);
-  TORCH_CHECK(grad_out_in.sizes() == x_in.sizes(), "g4ops.rms_norm_backward: `grad_out` must have the shape of `x` ",
+  G4OPS_CHECK(grad_out_in.sizes() == x_in.sizes(), "g4ops.rms_norm_backward: `grad_out` must have the shape of `x` ",
               x_in.sizes(), ", got ", grad_out_in.sizes());
-  TORCH_CHECK(grad_out_in.device() == x_in.device(), "g4ops.rms_norm_backward: `grad_out` is on ",
+  G4OPS_CHECK(grad_out_in.device() == x_in.device(), "g4ops.rms_norm_backward: `grad_out` is on ",
               grad_out_in.device(), " but `x` is on ", x_in.device());
-  TORCH_CHECK(grad_out_in.is_floating_point(), "g4ops.rms_norm_backward: `grad_out` must be floating point, got ",
+  G4OPS_CHECK(grad_out_in.is_floating_point(), "g4ops.rms_norm_backward: `grad_out` must be floating point, got ",
               grad_out_in.scalar_type());
   const c10::cuda::CUDAGuard guard(x_in.device());
   if (x_in.scalar_type() == at::kDouble) return rms_norm_backward_aten(grad_out_in, x_in, weight, eps, weight_grad);
@@ -555,7 +552,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
     at::Tensor dw = want_dw ? at::zeros(weight->sizes(), weight->options()) : at::empty({0}, x_in.options());
     return {dx, dw};
   }
-  TORCH_CHECK(N64 <= INT32_MAX, "g4ops.rms_norm_backward: last dim of `x` too large: ", N64);
+  G4OPS_CHECK(N64 <= INT32_MAX, "g4ops.rms_norm_backward: last dim of `x` too large: ", N64);
   const int N = static_cast<int>(N64);
   // grad_out from autograd has x's dtype; anything else is rounded to it first
   const at::Tensor go = grad_out_in.scalar_type() == x_in.scalar_type() ? grad_out_in
