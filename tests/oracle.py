@@ -145,8 +145,7 @@ def stock_rms_norm_module(dim: int, weight: torch.Tensor | None, eps: float) -> 
 
 
 def stock_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Gemma4RMSNorm(x); differentiable w.r.t. x and (through the module's parameter) not w.r.t. `weight`.
-    Use `stock_rms_norm_with_grads` for gradients."""
+    """Gemma4RMSNorm(x) with a copy of `weight` as its parameter (`stock_rms_norm_with_grads` for gradients)."""
     return stock_rms_norm_module(x.shape[-1], weight, eps)(x)
 
 
@@ -338,11 +337,11 @@ def make_tensor(
 
 def make_qk_view(
     batch: int, seq: int, heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator, device="cpu",
-    transpose: bool = False, extra_heads: int = 2,
+    transpose: bool = False, extra_heads: int = 2, scale: float = 1.0,
 ) -> torch.Tensor:
     """A q/k-norm style 4-D view: the first heads * head_dim columns of a [b, s, (heads + extra) * head_dim] fused
     projection, viewed as [b, s, heads, head_dim] (or transposed to [b, heads, s, head_dim] when `transpose`)."""
-    proj = _materialise(nonzero_randn((batch, seq, (heads + extra_heads) * head_dim), gen), dtype, device)
+    proj = _materialise(nonzero_randn((batch, seq, (heads + extra_heads) * head_dim), gen, scale), dtype, device)
     x = proj[..., : heads * head_dim].view(batch, seq, heads, head_dim)
     return x.transpose(1, 2) if transpose else x
 
