@@ -461,3 +461,111 @@ def test_hf_fused_forward_compiles_fullgraph(tiny):
     assert out.logits is None
     torch.testing.assert_close(out.loss, stock_out.loss, rtol=1e-5, atol=1e-6)
     assert rel_err(grads["model.embed_tokens.weight"], stock_grads["model.embed_tokens.weight"]) < 1e-4
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CUDA (marker `cuda`; skipped without a GPU): the same op on cuBLAS GEMMs, CUDA graphs, Inductor.
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("chunk_size", [0, 96])
+def test_cuda_vs_oracle_and_stock(dtype, chunk_size):
+    n, h, v = 769, 256, 32771  # odd sizes: ragged last chunk and vocabulary block
+    hidden, weight, labels = make_inputs(n, h, v, dtype=dtype, seed=11)
+    hidden = hidden * 3
+    ref_loss, ref_gh, ref_gw = oracle_with_grads(hidden, weight, labels, 30.0)
+    loss, gh, gw = run_ours(hidden.cuda(), weight.cuda(), labels.cuda(), 30.0, chunk_size)
+    hs = hidden.cuda().requires_grad_()
+    ws = weight.cuda().requires_grad_()
+    stock = stock_bf16_style(hs, ws, labels.cuda(), 30.0)
+    stock.backward()
+    for ours, theirs, ref in ((loss, stock.detach(), ref_loss), (gh, hs.grad, ref_gh), (gw, ws.grad, ref_gw)):
+        ours, theirs = ours.cpu(), theirs.cpu()
+        assert torch.isfinite(ours).all()
+        assert rel_err(ours, ref) <= 1.1 * rel_err(theirs, ref) + torch.finfo(dtype).eps
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_opcheck_and_no_sync():
+    hidden, weight, labels = make_inputs(37, 64, 1001, seed=2)
+    hidden, weight, labels = hidden.cuda().requires_grad_(), weight.cuda().requires_grad_(), labels.cuda()
+    torch.library.opcheck(
+        torch.ops.g4ops.linear_cross_entropy.default, (hidden, weight, labels, 30.0, IGNORE, "mean", 8)
+    )
+    torch.cuda.set_sync_debug_mode("error")  # any host sync in forward or backward raises
+    try:
+        linear_cross_entropy(hidden, weight, labels, 30.0, chunk_size=8).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_graph_capture_and_replay():
+    """The training forward op captures into a CUDA graph and replays on new data like eager."""
+    n, h, v = 128, 64, 4099
+    hidden, weight, labels = make_inputs(n, h, v, dtype=torch.bfloat16, seed=4)
+    s_h, s_w, s_l = hidden.cuda(), weight.cuda(), labels.cuda()
+
+    def fwd():
+        return torch.ops.g4ops.linear_cross_entropy_forward(s_h, s_w, s_l, 30.0, IGNORE, "mean", 32, [True, True])
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fwd()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fwd()
+    for seed in (5, 6):
+        h2, w2, l2 = make_inputs(n, h, v, dtype=torch.bfloat16, seed=seed)
+        s_h.copy_(h2.cuda())
+        s_w.copy_(w2.cuda())
+        s_l.copy_(l2.cuda())
+        graph.replay()
+        eager = fwd()
+        for a, b in zip(static_out, eager):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_compile_inductor():
+    hidden, weight, labels = make_inputs(300, 128, 8191, dtype=torch.bfloat16, seed=8)
+    hidden, weight, labels = hidden.cuda(), weight.cuda(), labels.cuda()
+
+    def step(h, w):
+        return linear_cross_entropy(torch.nn.functional.gelu(h), w, labels, 30.0) * 0.5
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    compiled(h1, w1).backward()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    step(h2, w2).backward()
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=2e-2, atol=1e-5)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=2e-2, atol=1e-5)
+    torch._dynamo.reset()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_hf_fused_forward_matches_stock():
+    from g4ops.models import build_model
+
+    model = build_model("tiny-e4b", device="cuda").train()
+    ids, labels = _batch(seed=9)
+    ids, labels = ids.cuda(), labels.cuda()
+    stock_out, stock_grads = _loss_and_grads(model, input_ids=ids, labels=labels)
+    try:
+        out, grads = _loss_and_grads(_patched(model), input_ids=ids, labels=labels)
+    finally:
+        _unpatched(model)
+    torch.testing.assert_close(out.loss, stock_out.loss, rtol=1e-4, atol=1e-5)  # TF32 may be on for cuBLAS
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"):
+        assert rel_err(grads[name], stock_grads[name]) < 1e-3, name
