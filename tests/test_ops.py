@@ -605,3 +605,44 @@ def test_compile_fullgraph_matches_eager(device, dtype):
     for name, a, b in zip(names, eager, inductor):
         # Inductor may re-associate the residual add and the q-norm sum: one extra rounding of the result
         assert O.rel_err(b, a) <= O.tolerance(b.dtype, hidden * 6, roundings=2), (name, O.rel_err(b, a))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_short)
+def test_geglu_mlp_rounds_intermediates_once(device, dtype):
+    """design.md 4: gelu(gate) * up (and dgate, dup in the backward) in fp32, rounded once. Stock rounds gelu(gate)
+    and the product separately, so on a large sample g4ops must be measurably closer to fp64 (measured: 8-11%
+    lower error on every result). A kernel that rounds twice, as stock does, fails the 3% bar."""
+    gen = _gen(9)
+    hidden, inter, rows = 64, 512, 64  # 32768 intermediates, 4096+ elements per result: sampling noise ~1%
+    x = O.make_tensor((rows, hidden), dtype, gen, device=device)
+    weights = O.make_mlp_weights(hidden, inter, dtype, gen, device)
+    dy = O.make_tensor((rows, hidden), dtype, gen, device=device)
+    out, grads = O.with_grads(g4ops.geglu_mlp, [x, *weights], dy)
+    out_s, grads_s = O.with_grads(O.stock_geglu_mlp, [x, *weights], dy)
+    refs = (O.geglu_mlp(x, *weights), *O.geglu_mlp_grads(dy, x, *weights))
+    for name, a, b, r in zip(MLP_RESULTS, (out, *grads), (out_s, *grads_s), refs):
+        assert O.rel_err(a, r) <= 0.97 * O.rel_err(b, r), (name, O.rel_err(a, r), O.rel_err(b, r))
+
+
+def test_oracle_helpers():
+    """The inputs really have the layouts the tests claim, never contain zeros, and NaN fails the metric."""
+    gen = _gen(10)
+    for dtype in (torch.float16, torch.bfloat16):
+        t = O.make_tensor((4, 8), dtype, gen, "sliced", scale=1e-3)
+        assert not t.is_contiguous() and t.stride(-1) == 1 and t.stride(0) == 13 and (t != 0).all()
+        t = O.make_tensor((4, 8), dtype, gen, "transposed")
+        assert t.stride() == (1, 4) and (t != 0).all()
+        t = O.make_tensor((4, 8), dtype, gen, "rowstep")
+        assert t.stride() == (16, 1) and (t != 0).all()
+        q = O.make_qk_view(2, 3, 4, 16, dtype, gen)
+        assert q.shape == (2, 3, 4, 16) and q.stride() == (3 * 96, 96, 16, 1) and (q != 0).all()
+        assert O.make_qk_view(2, 3, 4, 16, dtype, gen, transpose=True).stride() == (3 * 96, 16, 96, 1)
+    ref = torch.ones(3, dtype=torch.float64)
+    assert O.rel_err(torch.tensor([1.0, float("nan"), 1.0]), ref) == math.inf
+    assert O.rel_err(torch.tensor([1.0, float("inf"), 1.0]), ref) == math.inf
+    assert O.rel_err(torch.ones(3), torch.zeros(3, dtype=torch.float64)) == math.inf
+    assert O.rel_err(torch.tensor([1.0, 1.0, 1.5]), ref) == pytest.approx(0.5 / math.sqrt(3))
+    # the table: u is half of each dtype's eps, and tolerances grow with the reduction length
+    assert O.TOLERANCE[torch.bfloat16].u == 2.0**-8 and O.TOLERANCE[torch.float16].u == 2.0**-11
+    assert O.tolerance(torch.float32, 4096) > O.tolerance(torch.float32, 16)
