@@ -133,8 +133,12 @@ class XlaStep:
         if self.execute:
             torch_xla.sync()
             result = out.cpu()
-        else:  # compile only (XLA:CPU cannot run collectives): then drop the pending graph
+        else:  # compile only (XLA:CPU cannot run collectives), then drop the pending graph: fresh KV device data
             torch_xla._XLAC._xla_warm_up_cache(tensors, [])
+            for name, buf in zip(self.model.kv_names, self.model.kv_tensors()):
+                self.model._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype).to(self.device)
+            # the collectives' ordering token would otherwise carry this step's pending graph into the next
+            torch_xla._XLAC._set_all_reduce_token(str(self.device), None)
             result = torch.zeros_like(ids[:, 0])
         after = (_metric_count("CompileTime"), _metric_sum("InputOutputAliasCount"))
         self.calls.append(dict(tokens=ids.shape[1], start=int(start[0]), compiles=int(after[0] - before[0]),
@@ -182,7 +186,7 @@ def run_tp1(shape: str) -> dict:
                 kv_buffers=kv, buckets=summarize(step.calls, kv), executed=True)  # fmt: skip
 
 
-def _tp2_rank(index, shape, results):
+def _tp2_rank(shape):
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -198,16 +202,17 @@ def _tp2_rank(index, shape, results):
     step = XlaStep(model, dev, execute=False)
     prompt = torch.randint(3, cfg.vocab_size, (1, s["prompt"]), generator=torch.Generator().manual_seed(7))
     greedy_generate(step, prompt, 4, settings, ple)  # prefill + 3 decode steps at new positions
-    results[rank] = dict(rank=rank, buckets=summarize(step.calls, len(model.kv_names)), kv_buffers=len(model.kv_names))
+    return dict(rank=rank, buckets=summarize(step.calls, len(model.kv_names)), kv_buffers=len(model.kv_names))
 
 
 def run_tp2(shape: str) -> dict:
-    import torch_xla.distributed.xla_multiprocessing as xmp
+    from torch_xla._internal import pjrt
 
-    results: dict = {}
-    xmp.spawn(_tp2_rank, args=(shape, results), nprocs=None)  # CPU: one process, one thread per device
+    results = pjrt.run_multiprocess(_tp2_rank, shape)  # what xmp.spawn runs; CPU: one thread per device
     return dict(tp=2, shape=shape, executed=False, ranks=[results[r] for r in sorted(results)],
-                note="compile-only: torch-xla cannot execute collectives on XLA:CPU (pytorch/xla#5005)")  # fmt: skip
+                note="compile-only: torch-xla cannot execute collectives on XLA:CPU (pytorch/xla#5005). Both "
+                     "ranks are threads of one process, so compile counts are process-wide (both ranks' graphs); "
+                     "aliasing is decided at execution, so the aliased column is 0 here by construction.")  # fmt: skip
 
 
 def print_table(report: dict) -> None:
@@ -235,10 +240,11 @@ def main(argv=None) -> int:
                   device=f"XLA:CPU ({os.environ.get('CPU_NUM_DEVICES', '1')} device(s)), {platform.processor() or platform.machine()}, "
                          f"{os.cpu_count()} cores")  # fmt: skip
     print_table(report)
-    ok = all(
-        b["compiles"] == 1 and b["distinct_graphs"] == 1 and b["aliased_buffers"] == b["kv_buffers"]
-        for r in (report.get("ranks") or [report]) for b in r["buckets"].values()
-    )  # fmt: skip
+    if report["executed"]:
+        ok = all(b["compiles"] == 1 and b["distinct_graphs"] == 1 and b["aliased_buffers"] == b["kv_buffers"]
+                 for b in report["buckets"].values())  # fmt: skip
+    else:  # compile-only: every rank's decode graph is the same at every position (no recompiles)
+        ok = all(b["distinct_graphs"] == 1 for r in report["ranks"] for b in r["buckets"].values())
     report["ok"] = bool(ok and report.get("seq_match_vs_cpu_eager", True))
     print(json.dumps({k: v for k, v in report.items() if k not in ("buckets", "ranks")}))
     if args.json:
