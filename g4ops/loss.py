@@ -52,6 +52,9 @@ Double backward is not supported (once_differentiable), like Liger's fused loss.
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -162,6 +165,64 @@ def vocab_block(num_rows: int, vocab: int, chunk_size: int) -> int:
 # oracle's fast twin and the benchmark baseline.
 
 
+def _chunk_loss(logits: torch.Tensor, safe: torch.Tensor, valid: torch.Tensor, cap: float):
+    """Pass 1 on one chunk of tokens: (logsumexp per row, loss per row; 0 where ignored), from the chunk's logits as
+    the GEMM returned them (input dtype)."""
+    z = logits.to(accumulation_dtype(logits.dtype))
+    if cap:
+        z = torch.tanh(z / cap) * cap
+    lse = torch.logsumexp(z, dim=-1)
+    picked = z.gather(1, safe.unsqueeze(1)).squeeze(1)
+    return lse, torch.where(valid, lse - picked, 0.0)
+
+
+def _block_grad(logits: torch.Tensor, lse: torch.Tensor, label_col: torch.Tensor, row_scale: torch.Tensor, cap: float):
+    """Pass 2 on one vocabulary block: d loss / d logits in the input dtype. `label_col` is the label's column in
+    this block, or -1 (label elsewhere, or ignored); `row_scale` is [n, 1] (0 for ignored rows)."""
+    z = logits.to(accumulation_dtype(logits.dtype))
+    t = None
+    if cap:
+        t = torch.tanh(z / cap)
+        z = t * cap
+    p = torch.exp(z - lse.unsqueeze(1))  # softmax, with the row's logsumexp from pass 1
+    cols = torch.arange(z.shape[1], device=z.device)
+    p = (p - (cols.unsqueeze(0) == label_col.unsqueeze(1)).to(p.dtype)) * row_scale
+    if t is not None:
+        p = p * (1.0 - t * t)  # d z / d logits = 1 - tanh^2
+    return p.to(logits.dtype)
+
+
+# On CUDA the two elementwise helpers run through torch.compile (dynamic shapes): Inductor fuses each into one or
+# two kernels reading the bf16 logits once, instead of a dozen full-size fp32 passes in eager mode. The op stays
+# opaque to an outer torch.compile (the compiled helpers run inside its kernel). G4OPS_LOSS_COMPILE=0 turns this
+# off, =1 forces it on every device (the CPU tests use that); a failed compilation warns once and runs eagerly.
+_LOSS_COMPILE = os.environ.get("G4OPS_LOSS_COMPILE")
+_compiled: dict = {}
+_compile_failed: list = []
+
+
+def _run_fused(fn, *args):
+    device = args[0].device
+    wanted = _LOSS_COMPILE == "1" or (_LOSS_COMPILE is None and device.type == "cuda")
+    if not wanted or _compile_failed:
+        return fn(*args)
+    compiled = _compiled.get(fn)
+    if compiled is None:
+        compiled = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    try:
+        return compiled(*args)
+    except Exception as exc:  # noqa: BLE001 - slower but correct beats failing the training step
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise
+        _compile_failed.append(repr(exc))
+        warnings.warn(
+            f"g4ops.linear_cross_entropy: torch.compile of its elementwise part failed ({exc!r}); running it "
+            "eagerly from now on (slower, same results)",
+            stacklevel=2,
+        )
+        return fn(*args)
+
+
 def linear_cross_entropy_reference(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -204,15 +265,12 @@ def linear_cross_entropy_reference(
     step = chunk_rows(rows, vocab, chunk_size)
     for r0 in range(0, rows, step):
         r1 = min(r0 + step, rows)
-        z = F.linear(h2[r0:r1], weight).to(acc)  # one GEMM in the input dtype, like stock's lm_head; a fresh tensor
-        if cap:
-            z.div_(cap).tanh_().mul_(cap)
-        lse = torch.logsumexp(z, dim=-1)
-        picked = z.gather(1, safe[r0:r1].unsqueeze(1)).squeeze(1)
-        total = total + torch.where(valid[r0:r1], lse - picked, 0.0).sum()
+        logits = F.linear(h2[r0:r1], weight)  # one GEMM in the input dtype, exactly stock's lm_head output
+        lse, row_loss = _run_fused(_chunk_loss, logits, safe[r0:r1], valid[r0:r1], cap)
+        del logits
+        total = total + row_loss.sum()
         if want_grad:
             lse_all[r0:r1] = lse
-        del z
     loss = total * scale
 
     empty = hidden.new_empty(0)
@@ -231,20 +289,8 @@ def linear_cross_entropy_reference(
         for v0 in range(0, vocab, block):
             v1 = min(v0 + block, vocab)
             w_b = weight[v0:v1]
-            z = F.linear(h_c, w_b).to(acc)
-            t = None
-            if cap:
-                t = z.div_(cap).tanh_()
-                z = t * cap
-            p = z.sub_(lse_all.unsqueeze(1)).exp_()  # softmax
-            in_block = valid & (lab >= v0) & (lab < v1)
-            p.scatter_add_(1, (lab - v0).clamp(0, v1 - v0 - 1).unsqueeze(1), -in_block.to(acc).unsqueeze(1))
-            p.mul_(row_scale)
-            if t is not None:
-                p.mul_(t.square_().neg_().add_(1.0))  # d z / d logits = 1 - tanh^2
-                del t
-            d = p.to(hidden.dtype)
-            del p, z
+            label_col = torch.where(valid & (lab >= v0) & (lab < v1), lab - v0, -1)
+            d = _run_fused(_block_grad, F.linear(h_c, w_b), lse_all, label_col, row_scale, cap)
             if want_w:
                 torch.mm(d.t(), h_c, out=grad_weight[v0:v1])
             if want_h:

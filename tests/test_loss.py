@@ -230,6 +230,30 @@ def test_property_fp32_vs_oracle(n, h, v, chunk, softcap, ignore_frac, seed):
     assert (gw.double() - ref_gw).abs().max() <= tolerance(torch.float32, n + 8) * (ref_gw.abs().max() + scale_w)
 
 
+def test_compiled_elementwise_matches_eager(monkeypatch):
+    """The torch.compile'd elementwise helpers (the default on CUDA) against their eager selves, forced on CPU."""
+    import warnings
+
+    monkeypatch.setattr(loss_mod, "_LOSS_COMPILE", "1")
+    monkeypatch.setattr(loss_mod, "_compiled", {})
+    monkeypatch.setattr(loss_mod, "_compile_failed", [])
+    torch._dynamo.reset()
+    hidden, weight, labels = make_inputs(40, 32, 301, dtype=torch.bfloat16, seed=12)
+    hidden = hidden * 3
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="g4ops.linear_cross_entropy")  # no silent fallback
+            compiled = run_ours(hidden, weight, labels, 30.0, chunk_size=16)  # ragged chunks and blocks
+        assert set(loss_mod._compiled) == {loss_mod._chunk_loss, loss_mod._block_grad}
+        monkeypatch.setattr(loss_mod, "_LOSS_COMPILE", "0")
+        eager = run_ours(hidden, weight, labels, 30.0, chunk_size=16)
+    finally:
+        torch._dynamo.reset()
+    ref = oracle_with_grads(hidden, weight, labels, 30.0)
+    for c, e, r in zip(compiled, eager, ref):  # Inductor may fuse/reorder fp32 math: equal up to a few bf16 ulps
+        assert rel_err(c, r) <= 1.5 * rel_err(e, r) + torch.finfo(torch.bfloat16).eps
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Registration: opcheck, gradcheck, torch.compile
 
@@ -495,6 +519,7 @@ def test_cuda_opcheck_and_no_sync():
     torch.library.opcheck(
         torch.ops.g4ops.linear_cross_entropy.default, (hidden, weight, labels, 30.0, IGNORE, "mean", 8)
     )
+    linear_cross_entropy(hidden, weight, labels, 30.0, chunk_size=8).backward()  # warm-up: compiles the helpers
     torch.cuda.set_sync_debug_mode("error")  # any host sync in forward or backward raises
     try:
         linear_cross_entropy(hidden, weight, labels, 30.0, chunk_size=8).backward()
