@@ -23,6 +23,15 @@ Parts (`--parts`, comma-separated; default all):
           g4ops top-1/top-2 logit margins there. fp32 (`--fp32-layers` layers): greedy tokens of g4ops identical to
           stock's.
 
+On the lent GPU (10-minute calls), split the run; stock's static-cache compile alone takes about 200 s at 42 layers:
+    python bench/e2e.py --parts train --seqs 2048 --json $OUT/e2e_train2k.json
+    python bench/e2e.py --parts train --seqs 8192 --json $OUT/e2e_train8k.json
+    python bench/e2e.py --parts decode --batches 1 --json $OUT/e2e_decode1.json       # then --batches 4
+    python bench/e2e.py --parts decode --batches 1 --decode-variants g4ops            # g4ops' own time from start
+    python bench/e2e.py --parts parity --json $OUT/e2e_parity.json
+Liger-Kernel is measured where `import liger_kernel` works (0.8.5 has `apply_liger_kernel_to_gemma4_text`, used
+here); otherwise its rows say why they are missing.
+
 Every model is rebuilt from the same seed for each variant (a full E4B builds on the GPU in about a second), so
 variants do not share compiled state, patched modules or optimizer memory. The table goes to stdout, all numbers to
 `--json`.
@@ -175,7 +184,7 @@ def bench_decode(args, results):
     rows = []
     for batch in args.batches:
         prompt = random_ids(args, batch, args.prompt_len, seed=args.seed + 100 + batch)
-        for variant in ("stock", "g4ops"):
+        for variant in args.decode_variants:
             row = dict(part="decode", variant=variant, batch=batch, new_tokens=args.decode_tokens)
             state = {}
             try:
@@ -446,6 +455,8 @@ def parse_args(argv=None):
     ap.add_argument("--parts", default="decode,train,parity")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="train variants: " + ",".join(VARIANTS))
     ap.add_argument("--batches", default="1,4", help="decode batch sizes")
+    ap.add_argument("--decode-variants", default="stock,g4ops",
+                    help="decode: stock and/or g4ops (one alone in a fresh process gives its own time from start)")
     ap.add_argument("--seqs", default="2048,8192", help="train sequence lengths (batch 1)")
     ap.add_argument("--optimizers", default="none,adamw", help="train: none (fwd+bwd) and/or adamw")
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -472,6 +483,10 @@ def parse_args(argv=None):
     if bad:
         ap.error(f"unknown variants {bad}; choose from {VARIANTS}")
     args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.decode_variants = [v for v in args.decode_variants.split(",") if v]
+    bad = [v for v in args.decode_variants if v not in ("stock", "g4ops")]
+    if bad:
+        ap.error(f"unknown decode variants {bad}; choose from stock, g4ops")
     args.seqs = [int(s) for s in args.seqs.split(",") if s]
     args.optimizers = [o for o in args.optimizers.split(",") if o]
     return args
