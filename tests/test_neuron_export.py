@@ -100,3 +100,26 @@ def test_compile_without_neuron_sdk_says_what_to_install():
             require_neuron()
     else:
         pytest.skip("torch-neuronx is installed")
+
+
+def test_cli_check_runs_and_reports_seq_match(capsys):
+    from neuron_backend.__main__ import main
+
+    assert main(["check", "--tp", "1", "--no-export"]) == 0
+    out = capsys.readouterr().out
+    assert "stock transformers vs TP=1: SEQ_MATCH True" in out and out.strip().splitlines()[-1].startswith(
+        "SEQ_MATCH True"
+    )
+
+
+def test_cli_compile_without_neuron_sdk_exits_2(tmp_path, capsys):
+    try:
+        import torch_neuronx  # noqa: F401
+
+        pytest.skip("torch-neuronx is installed")
+    except ImportError:
+        pass
+    from neuron_backend.__main__ import main
+
+    assert main(["compile", "--model", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "torch-neuronx" in capsys.readouterr().err
