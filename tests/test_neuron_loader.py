@@ -97,3 +97,23 @@ def test_tp2_shards_reassemble_the_full_weights(tiny):
         assert torch.equal(torch.cat([r0[p + name], r1[p + name]], dim), full(p + name)), name
     assert torch.equal(torch.cat([r0["embed_tokens.weight"], r1["embed_tokens.weight"]]), full("embed_tokens.weight"))
     assert (r0["embed_tokens.vocab_start"].item(), r1["embed_tokens.vocab_start"].item()) == (0, cfg.vocab_size // 2)
+
+
+def test_dropping_layer_scalar_would_change_the_output(tiny):
+    """The regression the loader guards against: with layer_scalar left at its init (ones), as the seed's
+    ModelBuilder loader did, the model no longer computes stock's logits."""
+    from neuron_backend.loader import build_rank_model
+
+    hf, cfg, sd = tiny
+    s = BuildSettings(tp=1, max_seq=32, prefill_buckets=(8,), return_logits=True)
+    model, ple, _ = build_rank_model(sd, cfg, s)
+    ids = torch.randint(3, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    args = (ids, torch.zeros(1, dtype=torch.int64), torch.full((1,), 8), ple(ids))
+    with torch.no_grad():
+        good = model(*args)[1]
+        ref = hf(ids).logits[:, -1].float()
+        for layer in model.layers:
+            layer.layer_scalar.fill_(1.0)
+        bad = model(*args)[1]
+    assert (good - ref).abs().max() < 1e-4
+    assert (bad - ref).abs().max() > 1e-2
