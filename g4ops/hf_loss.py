@@ -1,10 +1,13 @@
-"""A drop-in `forward` for transformers' `Gemma4ForCausalLM` that trains with the fused, chunked loss.
+"""A drop-in `forward` for transformers' `Gemma4ForCausalLM` (and `Gemma4ForConditionalGeneration`, what
+`AutoModelForCausalLM` loads for the released E4B/E2B checkpoints) that trains with the fused, chunked loss.
 
 `make_causal_lm_forward(stock_forward)` returns a forward that, when the model is in training mode and `labels` are
 given, runs the decoder (`self.model(...)`, the same call and arguments stock makes), and computes the loss with
 `g4ops.linear_cross_entropy` on `lm_head.weight` (the tied embedding) and `config.final_logit_softcapping`, so the
 [batch, seq, 262144] logits are never materialised. The output is the stock output class with `loss` set and
-`logits=None` (as Liger does); every other field (cache, hidden_states, attentions, ...) is carried over.
+`logits=None` (as Liger does); every other field (cache, hidden_states, attentions, ...) is carried over. The
+decoder (`self.model`) gets exactly the arguments the stock forward would hand it: every argument its forward names
+(so `labels` only where it takes them, as Gemma4Model does for multimodal masks) plus the extra keyword arguments.
 
 Loss semantics are HF's `ForCausalLMLoss` exactly:
 - the shift: `labels` padded with `ignore_index` on the right and shifted left by one, so position t predicts
@@ -15,7 +18,7 @@ Loss semantics are HF's `ForCausalLMLoss` exactly:
 
 Everything else runs the stock forward unchanged: no labels, eval mode (so `model.eval()` + labels still returns
 logits, which evaluation loops with metrics need), `logits_to_keep != 0`, a custom loss (`model.loss_function = ...`
-or a `loss_type` other than ForCausalLM), or an `lm_head` that is not a plain bias-free `nn.Linear` (peft-wrapped,
+or a `loss_type` whose HF loss is not ForCausalLMLoss), or an `lm_head` that is not a plain bias-free `nn.Linear` (peft-wrapped,
 quantized or hooked: its own forward must run).
 """
 
@@ -70,15 +73,26 @@ def _text_config(model):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _fused_applies(model, arguments: dict) -> bool:
+def _causal_loss_types() -> frozenset:
+    """The `loss_type`s whose loss is HF's ForCausalLMLoss (ForCausalLM, ForConditionalGeneration, ...) and None.
+    An unknown loss_type keeps the stock forward."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        return frozenset({None, "ForCausalLM"})
+    return frozenset({None, *(k for k, fn in LOSS_MAPPING.items() if fn is ForCausalLMLoss)})
+
+
+def _fused_applies(model, arguments: dict, causal_types: frozenset) -> bool:
     logits_to_keep = arguments.get("logits_to_keep", 0)
+    loss_type = getattr(model, "loss_type", None)
     return (
         model.training
         and arguments.get("labels") is not None
         and isinstance(logits_to_keep, int)
         and logits_to_keep == 0
         and "_loss_function" not in vars(model)
-        and getattr(model, "loss_type", None) in (None, "ForCausalLM")
+        and loss_type in causal_types
         and _plain_linear(getattr(model, "lm_head", None))
     )
 
@@ -92,6 +106,7 @@ def make_causal_lm_forward(stock_forward):
     var_kw = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     out_cls, out_fields = _output_class(stock_forward)  # looked up once here, not while torch.compile traces
     model_params: dict[type, set[str]] = {}  # decoder class -> its explicit forward parameters
+    causal_types = _causal_loss_types()
 
     def fused(self, arguments: dict, extra: dict):
         decoder = type(self.model)
@@ -134,7 +149,7 @@ def make_causal_lm_forward(stock_forward):
             arguments = dict(bound.arguments)
             arguments.pop(names[0], None)  # self
             extra = dict(arguments.pop(var_kw, {})) if var_kw else {}
-            if _fused_applies(self, arguments):
+            if _fused_applies(self, arguments, causal_types):
                 output = fused(self, arguments, extra)
                 if return_dict is None:
                     return_dict = getattr(self.config, "return_dict", True)

@@ -594,3 +594,36 @@ def test_cuda_hf_fused_forward_matches_stock():
     torch.testing.assert_close(out.loss, stock_out.loss, rtol=1e-4, atol=1e-5)  # TF32 may be on for cuBLAS
     for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"):
         assert rel_err(grads[name], stock_grads[name]) < 1e-3, name
+
+
+def test_hf_fused_forward_conditional_generation():
+    """Gemma4ForConditionalGeneration (what AutoModelForCausalLM loads for the released checkpoints), text only."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma4ForConditionalGeneration"):
+        pytest.skip("no Gemma4ForConditionalGeneration in this transformers")
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from g4ops.hf_loss import make_causal_lm_forward
+    from g4ops.models import randomize_norms_and_scalars, text_config
+
+    try:
+        config = Gemma4Config(text_config=text_config("tiny-e4b").to_dict(), vision_config=None, audio_config=None)
+    except Exception as exc:  # noqa: BLE001 - older configs may require the towers
+        pytest.skip(f"cannot build a text-only Gemma4Config here: {exc}")
+    config.text_config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(config)
+    randomize_norms_and_scalars(model, torch.Generator().manual_seed(1))
+    model.train()
+    ids, labels = _batch(seed=7)
+    stock_out, stock_grads = _loss_and_grads(model, input_ids=ids, labels=labels)
+    model.forward = types.MethodType(make_causal_lm_forward(Gemma4ForConditionalGeneration.forward), model)
+    try:
+        out, grads = _loss_and_grads(model, input_ids=ids, labels=labels)
+    finally:
+        _unpatched(model)
+    assert out.logits is None and type(out) is type(stock_out)
+    torch.testing.assert_close(out.loss, stock_out.loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == stock_grads.keys()
+    for name, g in grads.items():
+        assert rel_err(g, stock_grads[name]) < 1e-4, name
