@@ -3,7 +3,7 @@
 Prints, per case: wall time per step, GPU busy time per step (sum of kernel times), kernel launches per step, and
 the top kernels by total time. Wall >> GPU busy means the host (Python, launches, syncs) is the bottleneck.
 
-    python bench/profile.py --layers 12 --parts decode,train --json $OUT/profile.json
+    python bench/profile_steps.py --layers 12 --parts decode,train --json $OUT/profile.json
 """
 
 from __future__ import annotations
