@@ -627,3 +627,31 @@ def test_hf_fused_forward_conditional_generation():
     assert grads.keys() == stock_grads.keys()
     for name, g in grads.items():
         assert rel_err(g, stock_grads[name]) < 1e-4, name
+
+
+def test_hf_fused_forward_with_lora_frozen_head():
+    """peft LoRA: lm_head/embedding frozen, so the op computes only the hidden gradient; adapters match stock."""
+    peft = pytest.importorskip("peft")
+    from g4ops.models import build_model
+
+    model = build_model("tiny-e4b", seed=3)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model.train()
+    base = model.get_base_model()
+    for module in model.modules():  # LoRA B starts at zero: make the adapters do something
+        if hasattr(module, "lora_B"):
+            for lin in module.lora_B.values():
+                torch.nn.init.normal_(lin.weight, std=0.02)
+    assert not base.lm_head.weight.requires_grad
+    ids, labels = _batch(seed=8)
+    stock_out, stock_grads = _loss_and_grads(model, input_ids=ids, labels=labels)
+    _patched(base)
+    try:
+        out, grads = _loss_and_grads(model, input_ids=ids, labels=labels)
+    finally:
+        _unpatched(base)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, stock_out.loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == stock_grads.keys() and any("lora_A" in n for n in grads)
+    for name, g in grads.items():
+        assert rel_err(g, stock_grads[name]) < 1e-4, name
