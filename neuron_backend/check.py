@@ -9,7 +9,6 @@ Shapes (random weights, norms and layer scalars randomised; built by g4ops.model
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +18,13 @@ from .config import BuildSettings, from_hf_config
 from .export import export_buckets
 from .generate import greedy_generate, module_step
 from .loader import build_rank_model
+
+# Random q/k norm weights around 1 with head_dim 512 and attention scaling 1.0 give attention logits with a spread
+# of ~20: a softmax so peaked that fp32 reassociation flips near-ties (stock's cached and uncached paths disagree by
+# 1e-3 and pick different tokens at some seeds). Trained Gemma-4 q/k norms keep attention logits O(1); e4b-mini
+# scales its random q/k norm weights by this factor (still random, not ones), after which stock agrees with itself
+# to ~2e-6 and the greedy margins are ~1000x the noise.
+QK_NORM_SCALE = {"e4b-mini": 0.15}
 
 SHAPES = {
     # name: (g4ops.models.build_model kwargs, prompt length, new tokens, max_seq, prefill buckets)
@@ -36,16 +42,34 @@ def build_stock(shape: str, seed: int = 0):
 
     kwargs = dict(SHAPES[shape][0])
     # eager: the attention math the Neuron graph uses (SDPA differs in the last bits)
-    return build_model(kwargs.pop("shape"), seed=seed, attn_implementation="eager", **kwargs)
+    model = build_model(kwargs.pop("shape"), seed=seed, attn_implementation="eager", **kwargs)
+    if shape in QK_NORM_SCALE:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+                    p.mul_(QK_NORM_SCALE[shape])
+    return model
 
 
 @torch.no_grad()
-def stock_greedy(hf, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """transformers' own greedy generate (DynamicCache, sliding layers and shared KV as stock does them)."""
-    gen = copy.deepcopy(hf.generation_config)
-    gen.do_sample, gen.eos_token_id, gen.max_new_tokens, gen.pad_token_id = False, None, new_tokens, 0
-    gen.max_length = None
-    return hf.generate(prompt, generation_config=gen)[:, prompt.shape[1] :]
+def stock_greedy(hf, prompt: torch.Tensor, new_tokens: int, return_logits: bool = False):
+    """Greedy decoding with stock transformers' forward and its DynamicCache (sliding layers and shared KV as stock
+    does them), never stopping at EOS (generate() would, and random models emit EOS).
+
+    -> tokens [B, new_tokens] (and the cached-path logits [B, new_tokens, V] fp32 with return_logits).
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf.config)
+    ids, tokens, logits = prompt, [], []
+    for _ in range(new_tokens):
+        # the cache is the 4th positional argument in every 5.x (its keyword was renamed past_key_values -> cache)
+        step = hf(ids, None, None, cache, use_cache=True).logits[:, -1].float()
+        logits.append(step)
+        tokens.append(step.argmax(-1))
+        ids = tokens[-1][:, None]
+    out = torch.stack(tokens, dim=1)
+    return (out, torch.stack(logits, dim=1)) if return_logits else out
 
 
 @torch.no_grad()
@@ -72,6 +96,7 @@ class CheckReport:
     kv_names: list[str] = field(default_factory=list)
     graph_breaks: dict[str, int | None] = field(default_factory=dict)
     seconds: float = 0.0
+    divergence: str | None = None  # where stock and TP=1 first disagree, with the top-1/top-2 margins there
 
     @property
     def seq_match_stock(self) -> bool:
@@ -96,6 +121,8 @@ class CheckReport:
             f"stock transformers vs TP=1: SEQ_MATCH {self.seq_match_stock}; "
             f"max |logit diff| vs stock teacher-forced {self.tp1_vs_stock_logit_diff:.3g}",
         ]
+        if self.divergence:
+            out.append(f"  first divergence: {self.divergence}")
         if self.tpn_tokens is not None:
             out.append(
                 f"TP={self.tp} (gloo, {self.tp} processes) vs TP=1: SEQ_MATCH {self.seq_match_tp}; "
@@ -122,7 +149,7 @@ def run_check(shape: str = "tiny-e4b", tp: int = 2, seed: int = 0, export: bool 
     gen = torch.Generator().manual_seed(seed + 7)
     prompt = torch.randint(3, cfg.vocab_size, (1, n_prompt), generator=gen)
 
-    stock = stock_greedy(hf, prompt, n_new)
+    stock, stock_cached = stock_greedy(hf, prompt, n_new, return_logits=True)
     sd = hf.state_dict()
     s1 = BuildSettings(tp=1, max_seq=max_seq, prefill_buckets=buckets, return_logits=True)
     model, ple, _ = build_rank_model(sd, cfg, s1)
@@ -135,6 +162,15 @@ def run_check(shape: str = "tiny-e4b", tp: int = 2, seed: int = 0, export: bool 
         tp1_vs_stock_logit_diff=(tp1_logits - ref_logits).abs().max().item(), tpn_vs_tp1_logit_diff=None,
         prefill_calls=res.prefill_calls, kv_names=list(model.kv_names),
     )  # fmt: skip
+    if not report.seq_match_stock:
+        i = int((stock != res.tokens).nonzero()[0, 1])
+        top = lambda lg: lg[0, i].topk(2)  # noqa: E731
+        sc, ou, un = top(stock_cached), top(tp1_logits), top(stock_logits(hf, prompt, stock))
+        report.divergence = (
+            f"step {i}: stock picks {sc.indices[0].item()} (margin {(sc.values[0] - sc.values[1]).item():.3g}), "
+            f"TP=1 picks {ou.indices[0].item()} (margin {(ou.values[0] - ou.values[1]).item():.3g}); stock's own "
+            f"uncached forward picks {un.indices[0].item()}"
+        )
     if tp > 1:
         sn = BuildSettings(tp=tp, max_seq=max_seq, prefill_buckets=buckets, return_logits=True)
         ranks = run_tp_generate(sd, cfg, sn, prompt, n_new)

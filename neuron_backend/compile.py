@@ -113,7 +113,8 @@ def compile_model(
         def get(self, bucket_rank, **kwargs):
             return self.module, self.module.io_aliases()
 
-    probe = NeuronGemma4ForCausalLM(cfg, settings, _ShapeOnly(settings.tp), kv_mode="aliased_outputs")
+    with torch.device("meta"):  # shapes and names only: no E4B-sized allocation
+        probe = NeuronGemma4ForCausalLM(cfg, settings, _ShapeOnly(settings.tp), kv_mode="aliased_outputs")
     builder = ModelBuilder(
         router=None,
         tp_degree=settings.tp,
