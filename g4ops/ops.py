@@ -44,7 +44,8 @@ for _schema in _SCHEMAS.values():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Input checks, shared by the reference kernels and the fake kernels. torch._check* keeps them trace-safe.
+# Input checks. Every kernel of an op (reference, fake, autograd) starts with the op's check, so eager, compile-time
+# and CUDA calls raise the same error before compiled code sees bad input. torch._check* keeps them trace-safe.
 
 _ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -107,6 +108,31 @@ def _check_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_do
     _check_same_device("geglu_mlp", x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
 
 
+def _check_shape(op: str, name: str, t: torch.Tensor, shape, like: str) -> None:
+    torch._check(
+        tuple(t.shape) == tuple(shape),
+        lambda: f"g4ops.{op}: `{name}` must have the shape of {like} {list(shape)}, got {list(t.shape)}",
+    )
+
+
+def _check_rms_norm_backward(grad_out, x, weight, eps, weight_grad):
+    _check_rms_norm(x, weight, eps)
+    _check_floating("grad_out", grad_out)
+    _check_shape("rms_norm_backward", "grad_out", grad_out, x.shape, "`x`")
+    _check_same_device("rms_norm_backward", x=x, grad_out=grad_out)
+
+
+def _check_geglu_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask):
+    _check_geglu(x, w_gate, w_up, w_down)
+    for name, t in (("grad_out", grad_out), ("gate", gate), ("up", up)):
+        _check_floating(name, t)
+        _check_same_device("geglu_mlp_backward", x=x, **{name: t})
+    _check_shape("geglu_mlp_backward", "grad_out", grad_out, (*x.shape[:-1], w_down.shape[0]), "the MLP output")
+    inter = (*x.shape[:-1], w_gate.shape[0])
+    _check_shape("geglu_mlp_backward", "gate", gate, inter, "x @ w_gate.T")
+    _check_shape("geglu_mlp_backward", "up", up, inter, "x @ w_up.T")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Reference kernels (every device). On a CUDA tensor they first make sure the compiled kernels were tried: once
 # they load, the dispatcher routes CUDA calls to them and the reference only runs if the user allowed the fallback.
@@ -124,7 +150,7 @@ def _rms_norm_impl(x, weight, eps):
 
 
 def _rms_norm_backward_impl(grad_out, x, weight, eps, weight_grad):
-    _check_rms_norm(x, weight, eps)
+    _check_rms_norm_backward(grad_out, x, weight, eps, weight_grad)
     if _cuda_kernels_missing(x):
         return torch.ops.g4ops.rms_norm_backward(grad_out, x, weight, eps, weight_grad)
     return reference.rms_norm_backward(grad_out, x, weight, eps, weight_grad)
@@ -145,7 +171,7 @@ def _geglu_mlp_forward_impl(x, w_gate, w_up, w_down):
 
 
 def _geglu_mlp_backward_impl(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask):
-    _check_geglu(x, w_gate, w_up, w_down)
+    _check_geglu_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask)
     if _cuda_kernels_missing(x):
         return torch.ops.g4ops.geglu_mlp_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask)
     return reference.geglu_mlp_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask)
@@ -173,7 +199,7 @@ def _rms_norm_fake(x, weight, eps):
 
 @torch.library.register_fake("g4ops::rms_norm_backward", lib=_lib)
 def _rms_norm_backward_fake(grad_out, x, weight, eps, weight_grad):
-    _check_rms_norm(x, weight, eps)
+    _check_rms_norm_backward(grad_out, x, weight, eps, weight_grad)
     grad_w = weight.new_empty(weight.shape) if (weight is not None and weight_grad) else x.new_empty(0)
     return x.new_empty(x.shape), grad_w
 
@@ -201,7 +227,7 @@ def _geglu_mlp_forward_fake(x, w_gate, w_up, w_down):
 
 @torch.library.register_fake("g4ops::geglu_mlp_backward", lib=_lib)
 def _geglu_mlp_backward_fake(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask):
-    _check_geglu(x, w_gate, w_up, w_down)
+    _check_geglu_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask)
     # one fresh empty tensor per skipped output (outputs must not alias), as the real kernels return
     return tuple(
         t.new_empty(t.shape) if wanted else x.new_empty(0)
@@ -250,19 +276,41 @@ _BELOW_AUTOGRAD = torch._C._after_autograd_keyset
 
 
 def _rms_norm_autograd(keyset, x, weight, eps):
+    _check_rms_norm(x, weight, eps)
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return _RMSNormFunction.apply(x, weight, eps)
     return torch.ops.g4ops.rms_norm.default.redispatch(keyset & _BELOW_AUTOGRAD, x, weight, eps)
 
 
 def _geglu_mlp_autograd(keyset, x, w_gate, w_up, w_down):
+    _check_geglu(x, w_gate, w_up, w_down)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_gate, w_up, w_down)):
         return _GegluMlpFunction.apply(x, w_gate, w_up, w_down)
     return torch.ops.g4ops.geglu_mlp.default.redispatch(keyset & _BELOW_AUTOGRAD, x, w_gate, w_up, w_down)
 
 
+def _internal_op_autograd(name: str, check):
+    """The internal ops are steps of the public ops' autograd formulas: they check their input like the public ops
+    and refuse to be differentiated (no silent missing gradient)."""
+    op = getattr(torch.ops.g4ops, name).default
+
+    def kernel(keyset, *args):
+        check(*args)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            raise RuntimeError(f"g4ops.{name} is an internal step of an autograd formula and is not differentiable")
+        return op.redispatch(keyset & _BELOW_AUTOGRAD, *args)
+
+    return kernel
+
+
 _lib.impl("rms_norm", _rms_norm_autograd, "Autograd", with_keyset=True)
 _lib.impl("geglu_mlp", _geglu_mlp_autograd, "Autograd", with_keyset=True)
+for _name, _check in (
+    ("rms_norm_backward", _check_rms_norm_backward),
+    ("geglu_mlp_forward", _check_geglu),
+    ("geglu_mlp_backward", _check_geglu_backward),
+):
+    _lib.impl(_name, _internal_op_autograd(_name, _check), "Autograd", with_keyset=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
