@@ -1,6 +1,6 @@
 """CLI.
 
-    python -m neuron_backend check [--tp 2] [--shape tiny-e4b|e4b-mini]      CPU check, no Neuron SDK needed
+    python -m neuron_backend check [--tp 2] [--shape tiny-e4b|e4b-mini] [--dtype bfloat16]   CPU, no Neuron SDK
     python -m neuron_backend compile --model DIR --out DIR [--tp 2 --max-seq 512 --buckets 128 --dtype bfloat16]
     python -m neuron_backend generate --artifact DIR --model DIR --prompt TEXT [--max-new-tokens 64]
 
@@ -20,9 +20,13 @@ import torch
 def _cmd_check(args) -> int:
     from .check import run_check
 
-    report = run_check(args.shape, args.tp, seed=args.seed, export=not args.no_export)
+    dtype = getattr(torch, args.dtype)
+    report = run_check(args.shape, args.tp, seed=args.seed, export=not args.no_export, dtype=dtype)
     print("\n".join(report.lines()))
-    ok = report.seq_match_stock and report.seq_match_tp in (True, None) and (args.no_export or report.exports_ok)
+    exports_ok = args.no_export or report.exports_ok
+    if dtype != torch.float32:  # bf16/fp16 numerics are reported, not gated (stock rounds differently)
+        return 0 if exports_ok else 1
+    ok = report.seq_match_stock and report.seq_match_tp in (True, None) and exports_ok
     return 0 if ok else 1
 
 
@@ -95,6 +99,7 @@ def main(argv=None) -> int:
     c.add_argument("--shape", default="tiny-e4b", choices=["tiny-e4b", "e4b-mini"])
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--no-export", action="store_true")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     c.set_defaults(fn=_cmd_check)
 
     c = sub.add_parser("compile", help="Neuron: trace + compile every bucket, save the artifact")
