@@ -58,7 +58,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .ops import _lib
+from .ops import _internal_op_autograd, _lib
 from .reference import accumulation_dtype
 
 _SCHEMAS = {
@@ -315,11 +315,19 @@ def _loss_impl(hidden, weight, labels, softcap=None, ignore_index=-100, reductio
     return linear_cross_entropy_reference(hidden, weight, labels, softcap, ignore_index, reduction, chunk_size)[0]
 
 
-def _backward_impl(grad_output, grad_hidden, grad_weight, output_mask):
+def _check_backward(grad_output, grad_hidden, grad_weight, output_mask) -> None:
     torch._check(
         grad_output.dim() == 0,
         lambda: f"g4ops.linear_cross_entropy_backward: `grad_output` must be 0-d, got {list(grad_output.shape)}",
     )
+
+
+def _check_forward(hidden, weight, labels, softcap, ignore_index, reduction, chunk_size, output_mask) -> None:
+    _check(hidden, weight, labels, softcap, ignore_index, reduction, chunk_size)
+
+
+def _backward_impl(grad_output, grad_hidden, grad_weight, output_mask):
+    _check_backward(grad_output, grad_hidden, grad_weight, output_mask)
 
     def scaled(g, wanted):
         # bf16 * fp32 0-d tensor: computed in fp32, rounded once to g's dtype.
@@ -388,6 +396,7 @@ _BELOW_AUTOGRAD = torch._C._after_autograd_keyset
 
 
 def _loss_autograd(keyset, hidden, weight, labels, softcap=None, ignore_index=-100, reduction="mean", chunk_size=0):
+    _check(hidden, weight, labels, softcap, ignore_index, reduction, chunk_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropyFunction.apply(hidden, weight, labels, softcap, ignore_index, reduction, chunk_size)
     return torch.ops.g4ops.linear_cross_entropy.default.redispatch(
@@ -396,6 +405,15 @@ def _loss_autograd(keyset, hidden, weight, labels, softcap=None, ignore_index=-1
 
 
 _lib.impl("linear_cross_entropy", _loss_autograd, "Autograd", with_keyset=True)
+# The internal ops are steps of the formula above: they check their input and refuse to be differentiated.
+_lib.impl(
+    "linear_cross_entropy_forward",
+    _internal_op_autograd("linear_cross_entropy_forward", _check_forward), "Autograd", with_keyset=True,
+)
+_lib.impl(
+    "linear_cross_entropy_backward",
+    _internal_op_autograd("linear_cross_entropy_backward", _check_backward), "Autograd", with_keyset=True,
+)
 
 
 # Autocast: like the stock lm_head (an nn.Linear), the GEMMs run in the autocast dtype; the loss stays fp32.

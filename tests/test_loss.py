@@ -655,3 +655,13 @@ def test_hf_fused_forward_with_lora_frozen_head():
     assert grads.keys() == stock_grads.keys() and any("lora_A" in n for n in grads)
     for name, g in grads.items():
         assert rel_err(g, stock_grads[name]) < 1e-4, name
+
+
+def test_internal_ops_refuse_differentiation():
+    hidden, weight, labels = make_inputs(6, 8, 10)
+    hidden.requires_grad_()
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        torch.ops.g4ops.linear_cross_entropy_forward(hidden, weight, labels, 30.0, IGNORE, "mean", 0, [True, True])
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        torch.ops.g4ops.linear_cross_entropy_backward(torch.tensor(1.0, requires_grad=True), hidden, weight,
+                                                      [True, True])
