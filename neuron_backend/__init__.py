@@ -7,6 +7,7 @@
     loader.py       sharded loader: every HF key consumed, `layer_scalar` included, loud on missing / left over
     generate.py     greedy loop over the buckets for any backend
     cpu_tp.py       TP ranks as CPU processes over gloo
+    check.py        stock vs TP=1 vs TP=N greedy check behind `python -m neuron_backend check`
     export.py       torch.export of each bucket and its mutated-buffer list
     compile.py      torch-neuronx / neuronx-distributed ModelBuilder driver (needs the Neuron SDK)
 

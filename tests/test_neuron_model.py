@@ -148,3 +148,23 @@ def test_generate_refuses_kv_overflow(tiny):
     model, ple, _ = build_rank_model(hf.state_dict(), cfg, s)
     with pytest.raises(ValueError, match="max_seq"):
         greedy_generate(module_step(model), _prompt(cfg.vocab_size, 10), 8, s, ple)
+
+
+def test_config_reader_without_per_layer_config():
+    """Older transformers 5.x kept `global_head_dim` as a field and had no per_layer_config / kv_sharing_modes:
+    the reader must derive the same facts from such a config."""
+    from types import SimpleNamespace
+
+    from g4ops.models import text_config
+
+    new = text_config("e4b")
+    old = SimpleNamespace(
+        **{k: getattr(new, k) for k in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "layer_types", "sliding_window", "rope_parameters", "rms_norm_eps",
+            "final_logit_softcapping", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
+            "num_kv_shared_layers", "tie_word_embeddings", "pad_token_id", "attention_k_eq_v",
+            "use_double_wide_mlp", "enable_moe_block")},
+        head_dim=256, global_head_dim=512, num_key_value_heads=2,  # 5.24 refuses global reads of these
+    )  # fmt: skip
+    assert from_hf_config(old) == from_hf_config(new)
