@@ -39,12 +39,26 @@ def _tp1(sd, cfg, prompt, new, **kw):
 )
 def test_tp2_matches_tp1(shape, prompt_len, new, kw, tol):
     g4ops.disable()
-    hf = build_stock(shape)
+    _check_tp(build_stock(shape), 2, prompt_len, new, kw, tol)
+
+
+@pytest.mark.parametrize("tp,vocab", [(4, 512), (2, 511)])
+def test_other_degrees_and_padded_vocab(tp, vocab):
+    """TP=4 on 4 q / 2 kv heads: one q head per rank, its kv head replicated on two ranks. vocab 511 at TP=2: the
+    last shard carries one padding row, whose logit must never win the distributed argmax."""
+    from g4ops.models import build_model
+
+    g4ops.disable()
+    hf = build_model("tiny-e4b", attn_implementation="eager", vocab_size=vocab, vocab_size_per_layer_input=vocab)
+    _check_tp(hf, tp, 6, 16, dict(max_seq=32, prefill_buckets=(8,)), 2e-5)
+
+
+def _check_tp(hf, tp, prompt_len, new, kw, tol):
     cfg = from_hf_config(hf.config)
     sd = hf.state_dict()
     prompt = torch.randint(3, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(7))
     tokens1, logits1 = _tp1(sd, cfg, prompt, new, **kw)
-    ranks = run_tp_generate(sd, cfg, BuildSettings(tp=2, return_logits=True, **kw), prompt, new)
+    ranks = run_tp_generate(sd, cfg, BuildSettings(tp=tp, return_logits=True, **kw), prompt, new)
     for r in ranks:
         assert torch.equal(r["tokens"], tokens1)
         assert (r["logits"] - logits1).abs().max().item() <= tol
