@@ -7,15 +7,19 @@ compile nothing (positions are inputs, not constants), and the input/output alia
 number of KV buffers (every KV buffer aliased, nothing else).
 
     --tp 1   one XLA CPU device, executed end to end; tokens compared with the eager CPU model (same weights)
-    --tp 2   two XLA CPU devices (xmp.spawn, one thread per device), XlaCollectives in the graph. torch-xla does not
-             support collective ops on XLA:CPU (pytorch/xla#5005: all_reduce waits forever at the rendezvous; seen
-             here on 2.9.0 as a rendezvous timeout), so each rank's buckets are traced and compiled but not
-             executed: compile counts, decode graph-hash stability and alias counts are still measured per rank.
+    --tp 2   two XLA CPU devices, executed: one GSPMD program, the TP=1 module annotated with neuron_backend's TP=2
+             shard layout (q/k/v/gate/up/vocab rows, o/down columns, KV buffers by kv head); XLA partitions it and
+             inserts the collectives. Tokens compared with the eager CPU model.
+    --tp 2 --per-rank
+             the per-rank graphs NxD compiles (XlaCollectives all-reduce / all-gather in each rank's graph), on two
+             XLA CPU devices (one thread each). torch-xla cannot execute such collectives on XLA:CPU
+             (pytorch/xla#5005: seen here on 2.9.0 as a rendezvous timeout), so they are traced and compiled only:
+             compile counts and decode graph-hash stability per rank, no alias count (decided at execution).
 
 Needs its own venv (torch 2.9 + torch-xla 2.9 from PyPI; no transformers needed):
     python3 -m venv /work/xla && /work/xla/bin/pip install 'torch==2.9.*' 'torch-xla==2.9.*'
     PYTHONPATH=. PJRT_DEVICE=CPU /work/xla/bin/python bench/neuron_xla_proxy.py --tp 1 --json out.json
-    PYTHONPATH=. PJRT_DEVICE=CPU CPU_NUM_DEVICES=2 /work/xla/bin/python bench/neuron_xla_proxy.py --tp 2
+    PYTHONPATH=. PJRT_DEVICE=CPU CPU_NUM_DEVICES=2 /work/xla/bin/python bench/neuron_xla_proxy.py --tp 2 [--per-rank]
 """
 
 from __future__ import annotations
@@ -186,6 +190,61 @@ def run_tp1(shape: str) -> dict:
                 kv_buffers=kv, buckets=summarize(step.calls, kv), executed=True)  # fmt: skip
 
 
+# TP=2 shard layout of neuron_backend (parallel.py / loader.py), as GSPMD partition specs of the full TP=1 module:
+# column-parallel weights split their rows, row-parallel weights their columns, the vocab its rows, KV buffers
+# their kv-head dim (one kv head per device for E4B-like 2-kv-head configs).
+_SPMD_SPECS = (
+    (("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
+      "embed_tokens.weight"), ("tp", None)),
+    (("o_proj.weight", "down_proj.weight"), (None, "tp")),
+)  # fmt: skip
+
+
+def run_tp2_spmd(shape: str) -> dict:
+    """Both ranks in one SPMD program on two XLA:CPU devices: the TP=1 module with the TP=2 shard layout as
+    sharding annotations; XLA's partitioner inserts the collectives (XLA:CPU runs those within one executable)."""
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    n = xr.global_runtime_device_count()
+    mesh = xs.Mesh(np.arange(n), (n,), ("tp",))
+    cfg, s = text_config(shape), SHAPES[shape]
+    sd = random_hf_state_dict(cfg)
+    settings = BuildSettings(tp=1, max_seq=s["max_seq"], prefill_buckets=s["buckets"])
+    prompt = torch.randint(3, cfg.vocab_size, (1, s["prompt"]), generator=torch.Generator().manual_seed(7))
+    cpu_model, ple, _ = build_rank_model(sd, cfg, settings)
+    ref = greedy_generate(module_step(cpu_model), prompt, s["new"], settings, ple).tokens
+
+    dev = torch_xla.device()
+    model, _, _ = build_rank_model(sd, cfg, settings)
+    model.to(dev)
+    sharded = []
+    for name, p in model.named_parameters():
+        for suffixes, spec in _SPMD_SPECS:
+            if name.endswith(suffixes):
+                xs.mark_sharding(p, mesh, spec)
+                sharded.append(name)
+    for buf in model.kv_tensors():
+        xs.mark_sharding(buf, mesh, (None, "tp", None, None))
+    step = XlaStep(model, dev)
+    t = time.time()
+    res = greedy_generate(step, prompt, s["new"], settings, ple).tokens
+    kv = len(model.kv_names)
+    spec = torch_xla._XLAC._get_xla_sharding_spec  # what the device data really carries after the run
+    specs = {"k_cache_0": spec(model.kv_tensors()[0]),
+             "layers.0.self_attn.q_proj.weight": spec(model.layers[0].self_attn.q_proj.weight),
+             "layers.0.mlp.down_proj.weight": spec(model.layers[0].mlp.down_proj.weight)}  # fmt: skip
+    return dict(tp=n, shape=shape, mode="spmd", sharding_specs=specs, executed=True, seq_match_vs_cpu_eager=bool(torch.equal(res, ref)),
+                seconds=round(time.time() - t, 1), kv_buffers=kv, sharded_weights=len(sharded),
+                buckets=summarize(step.calls, kv),
+                note="GSPMD: one program partitioned over 2 XLA:CPU devices with neuron_backend's TP=2 shard "
+                     "layout; the per-rank graphs with explicit collectives (what NxD compiles) cannot execute on "
+                     "XLA:CPU (pytorch/xla#5005), see --per-rank")  # fmt: skip
+
+
 def _tp2_rank(shape):
     import torch_xla
     import torch_xla.runtime as xr
@@ -216,7 +275,8 @@ def run_tp2(shape: str) -> dict:
 
 
 def print_table(report: dict) -> None:
-    rows = [(report.get("ranks") and f"rank {r['rank']}" or "rank 0", r) for r in (report.get("ranks") or [report])]
+    default = "2 dev" if report.get("mode") == "spmd" else "rank 0"
+    rows = [(report.get("ranks") and f"rank {r['rank']}" or default, r) for r in (report.get("ranks") or [report])]
     print(f"{'rank':8} {'bucket':12} {'calls':>5} {'compiles':>8} {'graphs':>6} {'aliased':>7} {'KV bufs':>7}")
     for label, r in rows:
         for name, b in r["buckets"].items():
@@ -230,12 +290,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tp", type=int, default=1, choices=[1, 2])
     p.add_argument("--shape", default="tiny-e4b", choices=sorted(SHAPES))
+    p.add_argument("--per-rank", action="store_true",
+                   help="--tp 2: trace + compile each rank's graph with explicit collectives (not executable on XLA:CPU)")
     p.add_argument("--json", default=None, help="write the report here")
     args = p.parse_args(argv)
     import torch_xla
 
     os.environ.setdefault("PJRT_DEVICE", "CPU")
-    report = run_tp1(args.shape) if args.tp == 1 else run_tp2(args.shape)
+    if args.tp == 1:
+        report = run_tp1(args.shape)
+    else:
+        report = run_tp2(args.shape) if args.per_rank else run_tp2_spmd(args.shape)
     report.update(date=datetime.date.today().isoformat(), torch=torch.__version__, torch_xla=torch_xla.__version__,
                   device=f"XLA:CPU ({os.environ.get('CPU_NUM_DEVICES', '1')} device(s)), {platform.processor() or platform.machine()}, "
                          f"{os.cpu_count()} cores")  # fmt: skip
