@@ -57,7 +57,6 @@ import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import traceback  # noqa: E402

@@ -5,6 +5,7 @@ from ._build import KernelBuildError, allow_reference_fallback
 from ._build import build as build_kernels
 from ._build import status as kernel_status
 from .integration import disable, enable, is_enabled
+from .loss import linear_cross_entropy
 from .ops import geglu_mlp, rms_norm
 
 __all__ = [
@@ -16,5 +17,6 @@ __all__ = [
     "build_kernels",
     "kernel_status",
     "geglu_mlp",
+    "linear_cross_entropy",
     "rms_norm",
 ]

@@ -28,23 +28,11 @@ import dataclasses
 import functools
 import inspect
 
-import torch
 import torch.nn.functional as F
-from torch import nn
 
+from .integration import _MARK, _is_plain_linear
 from .loss import linear_cross_entropy
 
-_MARK = "_g4ops_stock_forward"  # the attribute integration.py reads: the forward a patch replaced
-
-
-def _plain_linear(module) -> bool:
-    return (
-        type(module) is nn.Linear
-        and module.bias is None
-        and "forward" not in vars(module)
-        and not module._forward_hooks
-        and not module._forward_pre_hooks
-    )
 
 
 def _explicit_params(fn) -> set[str]:
@@ -93,7 +81,7 @@ def _fused_applies(model, arguments: dict, causal_types: frozenset) -> bool:
         and logits_to_keep == 0
         and "_loss_function" not in vars(model)
         and loss_type in causal_types
-        and _plain_linear(getattr(model, "lm_head", None))
+        and _is_plain_linear(getattr(model, "lm_head", None))
     )
 
 

@@ -98,7 +98,10 @@ def _patch_table() -> dict[type, callable]:
     except ImportError:
         pass
     else:
-        table[hf.Gemma4ForCausalLM] = make_causal_lm_forward
+        # ForConditionalGeneration is what AutoModelForCausalLM loads for the released E2B/E4B checkpoints.
+        for name in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"):
+            if hasattr(hf, name):
+                table[getattr(hf, name)] = make_causal_lm_forward
     return table
 
 
@@ -218,10 +221,14 @@ def enable(model: nn.Module | None = None) -> _Patches:
         return _Patches(patched, [])
     patched_modules = []
     for module in model.modules():
-        cls = next((c for c in table if type(module) is c), None)
+        # isinstance, not type equality: FSDP2's fully_shard turns a module's class into a generated subclass.
+        cls = next((c for c in table if isinstance(module, c)), None)
         if cls is None or "forward" in vars(module) or cls in _class_patches:
             continue  # not ours, already patched on the instance, or the class patch covers it
-        module.forward = types.MethodType(table[cls](_stock_forward_of(cls)), module)
+        stock = _stock_forward_of(type(module))
+        if stock is not _stock_forward_of(cls):
+            continue  # a subclass with a forward of its own: not what the patch reproduces
+        module.forward = types.MethodType(table[cls](stock), module)
         _instance_patches.append(weakref.ref(module))
         patched_modules.append(module)
     return _Patches([], patched_modules)

@@ -40,7 +40,6 @@ ROW_SIZES = (1, 3, 256, 512, 769, 2560, 5125)
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernels():
-    import g4ops
     from g4ops import reference  # noqa: F401
 
     g4ops.build_kernels(verbose=False)
@@ -185,7 +184,6 @@ def test_rms_norm_weight_grad_deterministic(wdtype):
 
 def test_rms_norm_autograd_matches_stock():
     """Through the public op and autograd: errors vs fp64 no worse than Gemma4RMSNorm's (E4B hidden size)."""
-    import g4ops
 
     gen = _gen("autograd")
     x = make_tensor((64, 2560), torch.bfloat16, gen, device=DEV)
@@ -320,7 +318,6 @@ def test_geglu_mlp_backward(dtype, shape, mask):
 
 def test_geglu_autograd_e4b_hidden():
     """Public op + autograd at E4B hidden size (grad of every weight), no worse than stock in bf16."""
-    import g4ops
 
     gen = _gen("mlp-autograd")
     x = make_tensor((96, 2560), torch.bfloat16, gen, device=DEV)
@@ -412,7 +409,6 @@ def test_cuda_graph_capture_replay(rows):
 
 
 def test_torch_compile_reduce_overhead():
-    import g4ops
 
     torch._dynamo.reset()
     hidden, inter = 256, 512

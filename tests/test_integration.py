@@ -218,3 +218,20 @@ def test_twenty_adamw_steps_track_stock_loss_curve():
     assert stock[-1] < 0.5 * stock[0], stock  # it does learn
     for step, (a, b) in enumerate(zip(stock, ours)):
         assert abs(a - b) <= 1e-2 * abs(a) + 1e-3, f"step {step}: stock {a:.6f} vs g4ops {b:.6f}"
+
+
+def test_enable_model_patches_generated_subclasses_but_not_overridden_forwards():
+    # FSDP2's fully_shard swaps a module's class for a generated subclass (FSDPGemma4ForCausalLM, ...): still ours.
+    model = build_model("tiny-e4b")
+    norm = model.model.norm
+    norm.__class__ = type("FSDPGemma4RMSNorm", (hf.Gemma4RMSNorm,), {})
+
+    class CustomMLP(hf.Gemma4TextMLP):  # a forward of its own: the g4ops forward would not reproduce it
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    mlp = model.model.layers[0].mlp
+    mlp.__class__ = CustomMLP
+    g4ops.enable(model)
+    assert "forward" in vars(norm) and "forward" not in vars(mlp)
+    assert "forward" in vars(model.model.layers[1].mlp)
