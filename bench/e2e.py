@@ -43,28 +43,20 @@ import time
 
 _T0 = time.perf_counter()  # before torch/transformers imports: "time from process start"
 
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-# `python bench/e2e.py` puts bench/ first on sys.path, where sibling scripts (bench/profile.py) shadow stdlib modules
-# that torch._dynamo imports (cProfile -> profile). Only the repository root belongs there.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import argparse
+import contextlib
+import gc
+import json
+import math
+import platform
+import statistics
+import traceback
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import traceback  # noqa: E402
+import torch
 
-import torch  # noqa: E402
-
-import g4ops  # noqa: E402
-from g4ops.models import build_model, text_config  # noqa: E402
+import g4ops
+from g4ops.models import build_model, text_config
 
 VARIANTS = ("stock", "stock-compile", "liger", "g4ops", "g4ops-compile")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

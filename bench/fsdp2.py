@@ -19,30 +19,22 @@ Launched without torchrun (no RANK in the environment), the script spawns `--npr
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-# `python bench/fsdp2.py` puts bench/ first on sys.path, where sibling scripts (bench/profile.py) shadow stdlib
-# modules that torch._dynamo imports (cProfile -> profile). Only the repository root belongs there.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import argparse
+import contextlib
+import gc
+import json
+import os
+import socket
+import statistics
+import time
+import traceback
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import socket  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import g4ops  # noqa: E402
-from g4ops.models import build_model, text_config  # noqa: E402
+import g4ops
+from g4ops.models import build_model, text_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

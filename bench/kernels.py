@@ -15,26 +15,19 @@ GB/s counts each input read once and each output written once (weights included)
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import platform
 import sys
+import time
+import types
 from pathlib import Path
 
-# `python bench/kernels.py` puts bench/ first on sys.path, where sibling scripts (bench/profile.py) would shadow
-# stdlib modules that torch._dynamo imports (cProfile -> profile). Only the repository root belongs there.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+import torch
+import torch.nn.functional as F
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import platform  # noqa: E402
-import time  # noqa: E402
-import types  # noqa: E402
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import g4ops  # noqa: E402
+import g4ops
 
 HIDDEN, INTER, EPS = 2560, 10240, 1e-6
 DT = torch.bfloat16
