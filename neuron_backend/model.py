@@ -35,7 +35,7 @@ from torch import nn
 import g4ops
 
 from .collectives import Collectives, SingleRank
-from .config import FULL, SLIDING, BuildSettings, TextConfig, divide, inv_freq, padded_vocab
+from .config import FULL, BuildSettings, TextConfig, divide, inv_freq, padded_vocab
 from .parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
 
 KV_MODES = ("buffers", "aliased_outputs")
