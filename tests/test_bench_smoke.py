@@ -60,5 +60,5 @@ def test_fsdp2_smoke(tmp_path):
         pytest.skip(f"stock transformers {transformers.__version__} fails under FSDP2: {stock_error}")
     for r in rows.values():
         assert "error" not in r, r
-        assert r["first_loss_ok"] is True and r["tok_s_per_gpu"] > 0
+        assert r["losses_ok"] is True and r["tok_s_per_gpu"] > 0
     assert rows[("stock", "eager")]["first_loss_vs_1proc"] == pytest.approx(0.0, abs=1e-5)
