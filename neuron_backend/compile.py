@@ -3,7 +3,9 @@
 One ModelBuilder holds every bucket (each prefill size and decode) of one resident model: the buckets share the
 sharded weights, and the KV buffers are NxD *states* (module parameters declared in `input_output_aliases`, each
 aliased to the forward output that carries its new value), so the cache is allocated once on each NeuronCore,
-zero-filled there, updated in place by every bucket and never copied to the host.
+zero-filled there, updated in place by every bucket and never copied to the host. (NxD keeps one buffer per state
+name, and every bucket's module names its KV parameters `k_cache_{i}` / `v_cache_{i}`: that is what makes prefill
+and decode share the cache, as NxDI's context-encoding and token-generation models do.)
 
     weights   per rank, cut by loader.shard_state_dict and handed to `nxd_model.initialize` (no NxD sharding
               metadata needed: our layers already hold shards). Persistent buffers (layer_scalar, vocab_start)
