@@ -15,7 +15,7 @@ See neuron_backend/README.md.
 """
 
 from .config import BuildSettings, TextConfig, from_hf_config
-from .loader import StateDictError, build_rank_model, shard_state_dict, text_state_dict
+from .loader import StateDictError, build_from_hf_model, build_rank_model, shard_state_dict, text_state_dict
 from .model import NeuronGemma4ForCausalLM, PLETokenEmbedding
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "TextConfig",
     "from_hf_config",
     "StateDictError",
+    "build_from_hf_model",
     "build_rank_model",
     "shard_state_dict",
     "text_state_dict",

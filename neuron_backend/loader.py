@@ -197,3 +197,12 @@ def build_rank_model(hf_sd, cfg: TextConfig, settings: BuildSettings, rank: int 
     if ple is not None:
         ple.load_state_dict(host_sd, strict=True)
     return model.eval(), ple, report
+
+
+def build_from_hf_model(hf_model, settings: BuildSettings, rank: int = 0, comm=None, kv_mode="buffers"):
+    """(rank model, host PLE module, report) straight from an HF Gemma4ForCausalLM (or multimodal) model."""
+    from .config import from_hf_config
+
+    return build_rank_model(
+        text_state_dict(hf_model.state_dict()), from_hf_config(hf_model.config), settings, rank, comm, kv_mode
+    )

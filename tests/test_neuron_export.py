@@ -123,3 +123,24 @@ def test_cli_compile_without_neuron_sdk_exits_2(tmp_path, capsys):
 
     assert main(["compile", "--model", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     assert "torch-neuronx" in capsys.readouterr().err
+
+
+def test_real_e4b_layout_at_tp2_on_meta():
+    """The real E4B text config at TP=2 (built on the meta device: shapes only): 48 KV buffers (24 owning layers,
+    K and V), one kv head per rank, sliding rings of 512 slots, full layers of max_seq, ~4.7 GB of bf16 weights
+    per NeuronCore (the PLE table, 5.6 GB, stays on the host)."""
+    from g4ops.models import text_config
+
+    from neuron_backend.compile import _ShapeOnly
+    from neuron_backend.model import NeuronGemma4ForCausalLM
+
+    cfg = from_hf_config(text_config("e4b"))
+    with torch.device("meta"):
+        m = NeuronGemma4ForCausalLM(cfg, BuildSettings(tp=2, max_seq=2048, dtype=torch.bfloat16), _ShapeOnly(2))
+    assert len(m.kv_names) == 48
+    assert m.k_cache_0.shape == (1, 1, 512, 256) and m.k_cache_5.shape == (1, 1, 2048, 512)
+    assert m.layers[0].self_attn.q_proj.weight.shape == (4 * 256, 2560)  # 4 of 8 q heads per rank
+    assert m.layers[5].self_attn.k_proj.weight.shape == (512, 2560)  # 1 of 2 kv heads, global head_dim 512
+    assert not hasattr(m.layers[30].self_attn, "k_proj")  # KV-shared layers own no K/V weights or buffers
+    weight_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    assert 4.5e9 < weight_bytes < 5.0e9

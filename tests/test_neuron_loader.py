@@ -117,3 +117,11 @@ def test_dropping_layer_scalar_would_change_the_output(tiny):
         bad = model(*args)[1]
     assert (good - ref).abs().max() < 1e-4
     assert (bad - ref).abs().max() > 1e-2
+
+
+def test_build_from_hf_model(tiny):
+    from neuron_backend.loader import build_from_hf_model
+
+    hf, cfg, sd = tiny
+    model, ple, report = build_from_hf_model(hf, BuildSettings(tp=1, max_seq=16, prefill_buckets=(8,)))
+    assert set(report.consumed) == set(sd) and model.cfg == cfg and ple is not None
