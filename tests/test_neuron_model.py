@@ -168,3 +168,16 @@ def test_config_reader_without_per_layer_config():
         head_dim=256, global_head_dim=512, num_key_value_heads=2,  # 5.24 refuses global reads of these
     )  # fmt: skip
     assert from_hf_config(old) == from_hf_config(new)
+
+
+def test_k_eq_v_attention_matches_stock():
+    """26B/31B-style full layers: values are the raw key projection (no v_proj), one global kv head."""
+    from g4ops.models import build_model
+
+    g4ops.disable()
+    hf = build_model("tiny-e4b", attn_implementation="eager", attention_k_eq_v=True, num_global_key_value_heads=1)
+    cfg = from_hf_config(hf.config)
+    assert cfg.k_eq_v == (False, False, True, False, False, True) and cfg.kv_heads[2] == 1
+    prompt = _prompt(cfg.vocab_size, 6, seed=1)
+    res, _ = _ours(hf, cfg, prompt, 16, max_seq=32, prefill_buckets=(8,))
+    assert torch.equal(res.tokens, stock_greedy(hf, prompt, 16))
