@@ -33,10 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-# `python bench/x.py` puts bench/ first on sys.path, where bench/profile.py shadows the stdlib module torch imports
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+# Runs in its own torch-xla venv, where this checkout is not installed: import neuron_backend from the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 

@@ -125,8 +125,16 @@ def make_causal_lm_forward(stock_forward):
         }
         return out_cls(loss=loss, logits=None, **carried)
 
+    labels_at = names.index("labels") - 1 if "labels" in names else None  # positional index after self
+
     @functools.wraps(stock_forward)
     def forward(self, *args, **kwargs):
+        # Inference (generate, eval) goes straight to stock, with nothing for torch.compile to trace on the way.
+        labels = kwargs.get("labels")
+        if labels is None and labels_at is not None and len(args) > labels_at:
+            labels = args[labels_at]
+        if not self.training or labels is None:
+            return stock_forward(self, *args, **kwargs)
         # return_dict is consumed by stock's @can_return_tuple; keep it out of the binding.
         return_dict = kwargs.pop("return_dict", None)
         try:

@@ -235,3 +235,16 @@ def test_enable_model_patches_generated_subclasses_but_not_overridden_forwards()
     g4ops.enable(model)
     assert "forward" in vars(norm) and "forward" not in vars(mlp)
     assert "forward" in vars(model.model.layers[1].mlp)
+
+
+def test_compiled_static_cache_generate_matches_eager():
+    # The demo's and users' path: generate() with a static cache compiles the decode step (fullgraph) by itself.
+    from g4ops.__main__ import _generate
+
+    model = build_model("tiny-e4b")
+    prompt = _tokens(model.config.vocab_size, shape=(1, 5))
+    with g4ops.enable():
+        eager, _ = _generate(model, prompt, new_tokens=4, compiled=False)
+        torch._dynamo.reset()
+        compiled, _ = _generate(model, prompt, new_tokens=4, compiled=True)
+    assert compiled == eager
