@@ -165,17 +165,21 @@ def summarize(calls: list[dict], kv_count: int) -> dict:
     return out
 
 
-def run_tp1(shape: str) -> dict:
-    import torch_xla
-
+def _cpu_reference(shape: str):
+    """(config, sizes, state dict, TP=1 settings, prompt, PLE table, greedy tokens of the eager CPU model)."""
     cfg, s = text_config(shape), SHAPES[shape]
     sd = random_hf_state_dict(cfg)
     settings = BuildSettings(tp=1, max_seq=s["max_seq"], prefill_buckets=s["buckets"])
     prompt = torch.randint(3, cfg.vocab_size, (1, s["prompt"]), generator=torch.Generator().manual_seed(7))
-
     cpu_model, ple, _ = build_rank_model(sd, cfg, settings)
     ref = greedy_generate(module_step(cpu_model), prompt, s["new"], settings, ple).tokens
+    return cfg, s, sd, settings, prompt, ple, ref
 
+
+def run_tp1(shape: str) -> dict:
+    import torch_xla
+
+    cfg, s, sd, settings, prompt, ple, ref = _cpu_reference(shape)
     dev = torch_xla.device()
     xla_model, _, _ = build_rank_model(sd, cfg, settings)
     xla_model.to(dev)
@@ -209,13 +213,7 @@ def run_tp2_spmd(shape: str) -> dict:
     xr.use_spmd()
     n = xr.global_runtime_device_count()
     mesh = xs.Mesh(np.arange(n), (n,), ("tp",))
-    cfg, s = text_config(shape), SHAPES[shape]
-    sd = random_hf_state_dict(cfg)
-    settings = BuildSettings(tp=1, max_seq=s["max_seq"], prefill_buckets=s["buckets"])
-    prompt = torch.randint(3, cfg.vocab_size, (1, s["prompt"]), generator=torch.Generator().manual_seed(7))
-    cpu_model, ple, _ = build_rank_model(sd, cfg, settings)
-    ref = greedy_generate(module_step(cpu_model), prompt, s["new"], settings, ple).tokens
-
+    cfg, s, sd, settings, prompt, ple, ref = _cpu_reference(shape)
     dev = torch_xla.device()
     model, _, _ = build_rank_model(sd, cfg, settings)
     model.to(dev)
