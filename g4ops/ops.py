@@ -138,53 +138,35 @@ def _check_geglu_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_ma
 # they load, the dispatcher routes CUDA calls to them and the reference only runs if the user allowed the fallback.
 
 
-def _cuda_kernels_missing(t: torch.Tensor) -> bool:
+def _cuda_kernels_just_loaded(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and ensure_cuda_kernels()
 
 
-def _rms_norm_impl(x, weight, eps):
-    _check_rms_norm(x, weight, eps)
-    if _cuda_kernels_missing(x):
-        return torch.ops.g4ops.rms_norm(x, weight, eps)
-    return reference.rms_norm(x, weight, eps)
+# op name -> (its input check, its reference math); one row per op, read by the reference and autograd kernels.
+_OPS = {
+    "rms_norm": (_check_rms_norm, reference.rms_norm),
+    "rms_norm_backward": (_check_rms_norm_backward, reference.rms_norm_backward),
+    "geglu_mlp": (_check_geglu, reference.geglu_mlp),
+    "geglu_mlp_forward": (_check_geglu, reference.geglu_mlp_forward),
+    "geglu_mlp_backward": (_check_geglu_backward, reference.geglu_mlp_backward),
+}
 
 
-def _rms_norm_backward_impl(grad_out, x, weight, eps, weight_grad):
-    _check_rms_norm_backward(grad_out, x, weight, eps, weight_grad)
-    if _cuda_kernels_missing(x):
-        return torch.ops.g4ops.rms_norm_backward(grad_out, x, weight, eps, weight_grad)
-    return reference.rms_norm_backward(grad_out, x, weight, eps, weight_grad)
+def _reference_kernel(name: str):
+    op = getattr(torch.ops.g4ops, name)
+    check, math = _OPS[name]
+
+    def kernel(*args):
+        check(*args)
+        if _cuda_kernels_just_loaded(args[0]):  # x, or grad_out, which the check put on x's device
+            return op(*args)  # the compiled kernels have just loaded: dispatch to them
+        return math(*args)
+
+    return kernel
 
 
-def _geglu_mlp_impl(x, w_gate, w_up, w_down):
-    _check_geglu(x, w_gate, w_up, w_down)
-    if _cuda_kernels_missing(x):
-        return torch.ops.g4ops.geglu_mlp(x, w_gate, w_up, w_down)
-    return reference.geglu_mlp(x, w_gate, w_up, w_down)
-
-
-def _geglu_mlp_forward_impl(x, w_gate, w_up, w_down):
-    _check_geglu(x, w_gate, w_up, w_down)
-    if _cuda_kernels_missing(x):
-        return torch.ops.g4ops.geglu_mlp_forward(x, w_gate, w_up, w_down)
-    return reference.geglu_mlp_forward(x, w_gate, w_up, w_down)
-
-
-def _geglu_mlp_backward_impl(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask):
-    _check_geglu_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask)
-    if _cuda_kernels_missing(x):
-        return torch.ops.g4ops.geglu_mlp_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask)
-    return reference.geglu_mlp_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask)
-
-
-for _name, _impl in (
-    ("rms_norm", _rms_norm_impl),
-    ("rms_norm_backward", _rms_norm_backward_impl),
-    ("geglu_mlp", _geglu_mlp_impl),
-    ("geglu_mlp_forward", _geglu_mlp_forward_impl),
-    ("geglu_mlp_backward", _geglu_mlp_backward_impl),
-):
-    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
+for _name in _OPS:
+    _lib.impl(_name, _reference_kernel(_name), "CompositeExplicitAutograd")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -305,12 +287,8 @@ def _internal_op_autograd(name: str, check):
 
 _lib.impl("rms_norm", _rms_norm_autograd, "Autograd", with_keyset=True)
 _lib.impl("geglu_mlp", _geglu_mlp_autograd, "Autograd", with_keyset=True)
-for _name, _check in (
-    ("rms_norm_backward", _check_rms_norm_backward),
-    ("geglu_mlp_forward", _check_geglu),
-    ("geglu_mlp_backward", _check_geglu_backward),
-):
-    _lib.impl(_name, _internal_op_autograd(_name, _check), "Autograd", with_keyset=True)
+for _name in ("rms_norm_backward", "geglu_mlp_forward", "geglu_mlp_backward"):
+    _lib.impl(_name, _internal_op_autograd(_name, _OPS[_name][0]), "Autograd", with_keyset=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
