@@ -90,18 +90,15 @@ def _make_mlp_forward(stock_forward):
 
 
 def _patch_table() -> dict[type, callable]:
-    """Class -> factory of its replacement forward. The fused-loss forward joins when it exists."""
+    """Class -> factory of its replacement forward."""
     hf = _gemma4()
+    from .hf_loss import make_causal_lm_forward  # imports this module: loaded on first use
+
     table = {hf.Gemma4RMSNorm: _make_norm_forward, hf.Gemma4TextMLP: _make_mlp_forward}
-    try:
-        from .hf_loss import make_causal_lm_forward
-    except ImportError:
-        pass
-    else:
-        # ForConditionalGeneration is what AutoModelForCausalLM loads for the released E2B/E4B checkpoints.
-        for name in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"):
-            if hasattr(hf, name):
-                table[getattr(hf, name)] = make_causal_lm_forward
+    # ForConditionalGeneration is what AutoModelForCausalLM loads for the released E2B/E4B checkpoints.
+    for name in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"):
+        if hasattr(hf, name):
+            table[getattr(hf, name)] = make_causal_lm_forward
     return table
 
 
