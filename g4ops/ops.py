@@ -11,7 +11,9 @@ Internal ops, each a real operator so autograd, torch.compile and CUDA graphs se
 Kernels per op: the reference math (reference.py) is registered as CompositeExplicitAutograd, so it runs on every
 device; csrc/ registers CUDA kernels for the same names, which the dispatcher prefers on CUDA tensors. Autograd is
 an `Autograd` kernel (like a C++ op's) so that the training forward can save tensors the public op does not return.
-The fake kernels call the same checks as the real ones, so compile-time and run-time errors agree.
+Input checks run in a `BackendSelect` kernel, which the dispatcher visits in every mode (also under
+torch.inference_mode, which skips the Autograd kernels) right before the device kernel; the fake kernels call the
+same checks, so compile-time and run-time errors agree.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ for _schema in _SCHEMAS.values():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Input checks. Every kernel of an op (reference, fake, autograd) starts with the op's check, so eager, compile-time
-# and CUDA calls raise the same error before compiled code sees bad input. torch._check* keeps them trace-safe.
+# Input checks, run before any kernel sees the input (the BackendSelect guard below, and the fake kernels).
+# torch._check* keeps them trace-safe.
 
 _ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -142,7 +144,7 @@ def _cuda_kernels_just_loaded(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and ensure_cuda_kernels()
 
 
-# op name -> (its input check, its reference math); one row per op, read by the reference and autograd kernels.
+# op name -> (its input check, its reference math); one row per op, read by the guard and reference kernels.
 _OPS = {
     "rms_norm": (_check_rms_norm, reference.rms_norm),
     "rms_norm_backward": (_check_rms_norm_backward, reference.rms_norm_backward),
@@ -154,10 +156,9 @@ _OPS = {
 
 def _reference_kernel(name: str):
     op = getattr(torch.ops.g4ops, name)
-    check, math = _OPS[name]
+    math = _OPS[name][1]
 
     def kernel(*args):
-        check(*args)
         if _cuda_kernels_just_loaded(args[0]):  # x, or grad_out, which the check put on x's device
             return op(*args)  # the compiled kernels have just loaded: dispatch to them
         return math(*args)
@@ -165,8 +166,22 @@ def _reference_kernel(name: str):
     return kernel
 
 
+def _guard_kernel(name: str):
+    """Runs the op's check, then dispatches on to the device kernel. A Python error here is clean everywhere; a
+    failing C++ check inside the CUDA extension crashed the process on the H200 image (2026-11-29)."""
+    op = getattr(torch.ops.g4ops, name).default
+    check = _OPS[name][0]
+
+    def kernel(keyset, *args):
+        check(*args)
+        return op.redispatch(keyset.remove(torch._C.DispatchKey.BackendSelect), *args)
+
+    return kernel
+
+
 for _name in _OPS:
     _lib.impl(_name, _reference_kernel(_name), "CompositeExplicitAutograd")
+    _lib.impl(_name, _guard_kernel(_name), "BackendSelect", with_keyset=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -258,26 +273,25 @@ _BELOW_AUTOGRAD = torch._C._after_autograd_keyset
 
 
 def _rms_norm_autograd(keyset, x, weight, eps):
-    _check_rms_norm(x, weight, eps)
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return _RMSNormFunction.apply(x, weight, eps)
     return torch.ops.g4ops.rms_norm.default.redispatch(keyset & _BELOW_AUTOGRAD, x, weight, eps)
 
 
 def _geglu_mlp_autograd(keyset, x, w_gate, w_up, w_down):
-    _check_geglu(x, w_gate, w_up, w_down)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_gate, w_up, w_down)):
         return _GegluMlpFunction.apply(x, w_gate, w_up, w_down)
     return torch.ops.g4ops.geglu_mlp.default.redispatch(keyset & _BELOW_AUTOGRAD, x, w_gate, w_up, w_down)
 
 
-def _internal_op_autograd(name: str, check):
-    """The internal ops are steps of the public ops' autograd formulas: they check their input like the public ops
-    and refuse to be differentiated (no silent missing gradient)."""
+def _internal_op_autograd(name: str, check=None):
+    """The internal ops are steps of the public ops' autograd formulas: they refuse to be differentiated (no silent
+    missing gradient). `check`: an input check to run first, for ops without a BackendSelect guard."""
     op = getattr(torch.ops.g4ops, name).default
 
     def kernel(keyset, *args):
-        check(*args)
+        if check is not None:
+            check(*args)
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             raise RuntimeError(f"g4ops.{name} is an internal step of an autograd formula and is not differentiable")
         return op.redispatch(keyset & _BELOW_AUTOGRAD, *args)
@@ -288,7 +302,7 @@ def _internal_op_autograd(name: str, check):
 _lib.impl("rms_norm", _rms_norm_autograd, "Autograd", with_keyset=True)
 _lib.impl("geglu_mlp", _geglu_mlp_autograd, "Autograd", with_keyset=True)
 for _name in ("rms_norm_backward", "geglu_mlp_forward", "geglu_mlp_backward"):
-    _lib.impl(_name, _internal_op_autograd(_name, _OPS[_name][0]), "Autograd", with_keyset=True)
+    _lib.impl(_name, _internal_op_autograd(_name), "Autograd", with_keyset=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -463,6 +463,33 @@ def test_bad_inputs(case):
         call()
 
 
+def test_bad_inputs_raise_under_inference_mode():
+    # inference_mode skips the Autograd kernels; a C++ check failing inside the extension once killed the process
+    # on the GPU image, so run the cases in a child process and demand a clean, named error from each.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(__file__.rsplit("/", 1)[0])!r})
+        import test_cuda_kernels as t
+        failures = []
+        for name, (exc, match, call) in sorted(t._bad_cases().items()):
+            try:
+                with torch.inference_mode():
+                    call()
+                failures.append(f"{{name}}: no error")
+            except exc as e:
+                if match not in str(e):
+                    failures.append(f"{{name}}: message does not name {{match}}: {{e}}")
+        print("FAILURES", failures)
+        sys.exit(1 if failures else 0)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"child exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
 def test_empty_inputs():
     x = torch.randn(0, 64, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(64, device=DEV)

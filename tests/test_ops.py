@@ -454,6 +454,9 @@ def _call_modes(op, args, mode):
     if mode == "requires_grad":  # through the Autograd kernel
         return op(*(a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                     for a in args))
+    if mode == "inference_mode":  # skips the Autograd kernels
+        with torch.inference_mode():
+            return op(*args)
     if mode == "fake":  # what torch.compile sees
         from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -464,7 +467,7 @@ def _call_modes(op, args, mode):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", ["eager", "requires_grad", "fake"])
+@pytest.mark.parametrize("mode", ["eager", "requires_grad", "inference_mode", "fake"])
 @pytest.mark.parametrize("case", list(_bad_norm_cases("cpu")))
 def test_rms_norm_bad_input(device, mode, case):
     args, message = _bad_norm_cases(device)[case]
@@ -473,7 +476,7 @@ def test_rms_norm_bad_input(device, mode, case):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", ["eager", "requires_grad", "fake"])
+@pytest.mark.parametrize("mode", ["eager", "requires_grad", "inference_mode", "fake"])
 @pytest.mark.parametrize("case", list(_bad_mlp_cases("cpu")))
 def test_geglu_mlp_bad_input(device, mode, case):
     args, message = _bad_mlp_cases(device)[case]
