@@ -6,7 +6,8 @@
 
 Parts (`--parts`, comma-separated; default all):
   decode  `model.generate(..., cache_implementation="static")` greedy, at each `--batches` size, stock vs g4ops
-          enabled. transformers compiles the static-cache decode step by itself on CUDA. Two generates of
+          enabled; and g4ops' own decode path, `g4ops.decode.GreedyDecoder` (the whole step in one CUDA graph;
+          variants g4ops-graph and g4ops-graph-compile, the latter compiles the step before capturing it). transformers compiles the static-cache decode step by itself on CUDA. Two generates of
           `--decode-tokens` new tokens each (the default 600 crosses position 512, the sliding window; both calls
           have the same length so the static cache and the compiled step are reused): the first is the warm-up,
           timestamped per token; the second is timed. Reported: tok/s of the timed call (batch x new tokens /
@@ -59,6 +60,7 @@ import g4ops
 from g4ops.models import build_model, text_config
 
 VARIANTS = ("stock", "stock-compile", "liger", "g4ops", "g4ops-compile")
+DECODE_VARIANTS = ("stock", "g4ops", "g4ops-graph", "g4ops-graph-compile")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -179,34 +181,37 @@ def bench_decode(args, results):
             row = dict(part="decode", variant=variant, batch=batch, new_tokens=args.decode_tokens)
             state = {}
             try:
-                with g4ops_on(variant == "g4ops"):
+                with g4ops_on(variant.startswith("g4ops")):
                     state["model"] = model = model_for(args)
-                    # Same max_new_tokens in both calls: the static cache (and so the compiled step) has one size.
-                    # min_new_tokens keeps random weights from stopping at EOS.
-                    kw = dict(
-                        do_sample=False, cache_implementation="static", pad_token_id=0,
-                        attention_mask=torch.ones_like(prompt), max_new_tokens=args.decode_tokens,
-                        min_new_tokens=args.decode_tokens,
-                    )
-                    clock = TokenClock()
-                    t = time.perf_counter()
-                    with torch.no_grad():
-                        model.generate(prompt, streamer=clock, **kw)  # warm-up: compiles, crosses the window
-                    sync(args.device)
-                    row["warmup_s"] = time.perf_counter() - t
-                    t = time.perf_counter()
-                    with torch.no_grad():
-                        state["out"] = out = model.generate(prompt, **kw)
-                    sync(args.device)
-                    dt = time.perf_counter() - t
-                    new = out.shape[1] - prompt.shape[1]
-                    row.update(seconds=dt, tok_s=batch * new / dt, final_position=int(out.shape[1]))
-                    row["tokens_head"] = out[0, prompt.shape[1]:prompt.shape[1] + 16].tolist()
-                    idx = first_fast_token(clock.times, dt / new)
-                    if idx is not None:
-                        row["first_fast_token"] = idx
-                        row["first_fast_token_since_generate_s"] = clock.times[idx] - clock.times[0]
-                        row["first_fast_token_since_process_start_s"] = clock.times[idx] - _T0
+                    if variant.startswith("g4ops-graph"):
+                        row.update(decode_graphed(args, model, prompt, variant.endswith("compile")))
+                    else:
+                        # Same max_new_tokens in both calls: the static cache (and so the compiled step) has one size.
+                        # min_new_tokens keeps random weights from stopping at EOS.
+                        kw = dict(
+                            do_sample=False, cache_implementation="static", pad_token_id=0,
+                            attention_mask=torch.ones_like(prompt), max_new_tokens=args.decode_tokens,
+                            min_new_tokens=args.decode_tokens,
+                        )
+                        clock = TokenClock()
+                        t = time.perf_counter()
+                        with torch.no_grad():
+                            model.generate(prompt, streamer=clock, **kw)  # warm-up: compiles, crosses the window
+                        sync(args.device)
+                        row["warmup_s"] = time.perf_counter() - t
+                        t = time.perf_counter()
+                        with torch.no_grad():
+                            state["out"] = out = model.generate(prompt, **kw)
+                        sync(args.device)
+                        dt = time.perf_counter() - t
+                        new = out.shape[1] - prompt.shape[1]
+                        row.update(seconds=dt, tok_s=batch * new / dt, final_position=int(out.shape[1]))
+                        row["tokens_head"] = out[0, prompt.shape[1]:prompt.shape[1] + 16].tolist()
+                        idx = first_fast_token(clock.times, dt / new)
+                        if idx is not None:
+                            row["first_fast_token"] = idx
+                            row["first_fast_token_since_generate_s"] = clock.times[idx] - clock.times[0]
+                            row["first_fast_token_since_process_start_s"] = clock.times[idx] - _T0
             except Exception as exc:  # noqa: BLE001 - report and go on
                 row["error"] = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {exc}"
                 traceback.print_exc()
@@ -217,11 +222,37 @@ def bench_decode(args, results):
             rows.append(row)
             print_row(row)
     for batch in args.batches:
-        pair = {r["variant"]: r for r in rows if r["batch"] == batch and "tok_s" in r}
-        if len(pair) == 2:
-            pair["g4ops"]["speedup_vs_stock"] = pair["g4ops"]["tok_s"] / pair["stock"]["tok_s"]
-            pair["g4ops"]["same_tokens_head"] = pair["g4ops"]["tokens_head"] == pair["stock"]["tokens_head"]
+        by_variant = {r["variant"]: r for r in rows if r["batch"] == batch and "tok_s" in r}
+        stock = by_variant.get("stock")
+        for name, row in by_variant.items():
+            if stock is not None and name != "stock":
+                row["speedup_vs_stock"] = row["tok_s"] / stock["tok_s"]
+                row["same_tokens_head"] = row["tokens_head"] == stock["tokens_head"]
     results["decode"] = rows
+
+
+def decode_graphed(args, model, prompt, compile_step: bool) -> dict:
+    """g4ops' CUDA-graphed greedy decoder: build + capture (timed as the warm-up), then the timed generate."""
+    from g4ops.decode import GreedyDecoder
+
+    batch, n = prompt.shape
+    t = time.perf_counter()
+    decoder = GreedyDecoder(model, batch_size=batch, max_length=n + args.decode_tokens, compile=compile_step)
+    decoder.generate(prompt, 2)  # captures the step graph (compiling it first for -compile)
+    sync(args.device)
+    ready = time.perf_counter()
+    decoder.generate(prompt, args.decode_tokens)  # a full warm-up run, as the generate() variants get
+    sync(args.device)
+    row = dict(warmup_s=time.perf_counter() - t, first_fast_token_since_process_start_s=ready - _T0,
+               first_fast_token_since_generate_s=ready - t)
+    t = time.perf_counter()
+    out = decoder.generate(prompt, args.decode_tokens)
+    sync(args.device)
+    dt = time.perf_counter() - t
+    new = out.shape[1] - n
+    row.update(seconds=dt, tok_s=batch * new / dt, final_position=int(out.shape[1]),
+               tokens_head=out[0, n:n + 16].tolist())
+    return row
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -452,8 +483,8 @@ def parse_args(argv=None):
     ap.add_argument("--parts", default="decode,train,parity")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="train variants: " + ",".join(VARIANTS))
     ap.add_argument("--batches", default="1,4", help="decode batch sizes")
-    ap.add_argument("--decode-variants", default="stock,g4ops",
-                    help="decode: stock and/or g4ops (one alone in a fresh process gives its own time from start)")
+    ap.add_argument("--decode-variants", default="stock,g4ops,g4ops-graph,g4ops-graph-compile",
+                    help=f"decode, any of {DECODE_VARIANTS} (one alone in a fresh process gives its own time from start)")
     ap.add_argument("--seqs", default="2048,8192", help="train sequence lengths (batch 1)")
     ap.add_argument("--optimizers", default="none,adamw", help="train: none (fwd+bwd) and/or adamw")
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -484,9 +515,9 @@ def parse_args(argv=None):
         ap.error(f"unknown variants {bad}; choose from {VARIANTS}")
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.decode_variants = [v for v in args.decode_variants.split(",") if v]
-    bad = [v for v in args.decode_variants if v not in ("stock", "g4ops")]
+    bad = [v for v in args.decode_variants if v not in DECODE_VARIANTS]
     if bad:
-        ap.error(f"unknown decode variants {bad}; choose from stock, g4ops")
+        ap.error(f"unknown decode variants {bad}; choose from {', '.join(DECODE_VARIANTS)}")
     args.seqs = [int(s) for s in args.seqs.split(",") if s]
     args.optimizers = [o for o in args.optimizers.split(",") if o]
     return args

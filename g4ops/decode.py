@@ -1,0 +1,224 @@
+"""Greedy decoding with the whole decode step in one CUDA graph: `GreedyDecoder(model).generate(input_ids, n)`.
+
+Why: a profile of `generate(cache_implementation="static")` on an H200 (bench/results/2026-11-29-h200-profile.md)
+shows the GPU busy for only about a fifth of each step at batch 1. The compiled forward is CUDA-graphed, but the
+Python around it (input preparation, logits processors, stopping criteria, a host sync per token) is not. Here one
+replay runs the whole step on the device: transformers' own Gemma-4 modules (so `g4ops.enable()` patches apply),
+the softcapped logits, the argmax, the KV write and the position advance. The host only replays, and reads the
+tokens back once every `sync_every` steps to stop at EOS.
+
+The KV cache (`GraphKVCache`) is ours, not transformers' StaticCache: its writes take the position from a device
+tensor, so a replayed step writes the right slot. Full-attention layers keep `max_length` slots (slot = position);
+sliding layers keep a ring of `sliding_window` slots (slot = position mod window), which holds exactly the keys a
+query may see (p - window < key <= p). The masks over the slots are built on the device from the same position.
+KV-shared layers read their producer's buffers through transformers' `shared_kv_states`, as in stock.
+
+Exactness: the modules and dtypes are stock's, so the logits equal stock's up to the order in which attention sums
+over the cached keys (the ring is not in position order, and masked slots differ in number). The argmax is taken
+on the fp32 copy of the logits, as `generate` does. Prompts in a batch must have the same length (no padding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .models import FULL
+
+
+class GraphKVCache:
+    """The KV cache of one decoder: per KV-owning layer, K and V buffers [B, kv_heads, slots, head_dim]."""
+
+    is_compileable = True
+
+    def __init__(self, model, batch: int, max_length: int, position: torch.Tensor):
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        param = next(model.parameters())
+        self.max_length = max_length
+        self.sliding_window = config.sliding_window
+        self.window = min(self.sliding_window, max_length)
+        self.position = position  # [1] int64, the position of the token being decoded (shared with the decoder)
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self._slots: dict[int, int] = {}
+        # shapes from the attention modules themselves (per-layer head dims differ between config versions)
+        for attn in (m for m in model.modules() if hasattr(m, "is_kv_shared_layer") and hasattr(m, "k_proj")):
+            if attn.is_kv_shared_layer:
+                continue
+            i = attn.layer_idx
+            slots = max_length if config.layer_types[i] == FULL else self.window
+            shape = (batch, attn.k_proj.out_features // attn.head_dim, slots, attn.head_dim)
+            self.keys[i] = torch.zeros(shape, dtype=param.dtype, device=param.device)
+            self.values[i] = torch.zeros(shape, dtype=param.dtype, device=param.device)
+            self._slots[i] = slots
+        if not self.keys:
+            raise TypeError(f"GraphKVCache: no Gemma-4 attention layers found in {type(model).__name__}")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # transformers asks only when no position_ids are given
+        raise RuntimeError("GraphKVCache: pass position_ids; the length lives on the device")
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Write the chunk's K/V at its positions; return what the chunk attends over."""
+        keys, values, slots = self.keys[layer_idx], self.values[layer_idx], self._slots[layer_idx]
+        if tuple(keys.shape[-1:]) != tuple(key_states.shape[-1:]) or keys.shape[1] != key_states.shape[1]:
+            raise ValueError(f"GraphKVCache: layer {layer_idx} got K/V {list(key_states.shape)} but holds "
+                             f"{list(keys.shape)}; the model's config does not match the cache")  # fmt: skip
+        n = key_states.shape[2]
+        if n == 1:  # decode: one slot, then attend over the whole buffer under the decode mask
+            slot = self.position if slots == self.max_length else torch.remainder(self.position, slots)
+            keys.index_copy_(2, slot, key_states)
+            values.index_copy_(2, slot, value_states)
+            return keys, values
+        # prefill from position 0 (not graphed): store the last `slots` tokens, attend over the chunk itself
+        keep = min(n, slots)
+        positions = torch.arange(n - keep, n, device=keys.device)
+        keys.index_copy_(2, torch.remainder(positions, slots), key_states[:, :, n - keep :])
+        values.index_copy_(2, torch.remainder(positions, slots), value_states[:, :, n - keep :])
+        return key_states, value_states
+
+    def decode_masks(self, batch: int) -> dict[str, torch.Tensor]:
+        """{layer type: bool mask [B, 1, 1, slots]} for the token at `self.position` (already written)."""
+        p = self.position
+        dev = p.device
+        full_pos = torch.arange(self.max_length, device=dev)
+        ring = torch.arange(self.window, device=dev)
+        ring_pos = p - torch.remainder(p - ring, self.window)  # the position each ring slot holds
+        return {
+            FULL: (full_pos <= p).view(1, 1, 1, -1).expand(batch, 1, 1, -1),
+            "sliding_attention": (ring_pos >= 0).view(1, 1, 1, -1).expand(batch, 1, 1, -1),
+        }
+
+    def prefill_masks(self, batch: int, n: int, device) -> dict[str, torch.Tensor]:
+        q = torch.arange(n, device=device)[:, None]
+        k = torch.arange(n, device=device)[None, :]
+        causal = k <= q
+        return {
+            FULL: causal.view(1, 1, n, n).expand(batch, 1, n, n),
+            "sliding_attention": (causal & (k > q - self.sliding_window)).view(1, 1, n, n).expand(batch, 1, n, n),
+        }
+
+
+class GreedyDecoder:
+    """Greedy decoding of a Gemma-4 causal LM with the decode step captured once as a CUDA graph.
+
+    decoder = GreedyDecoder(model, batch_size=1, max_length=2048)
+    tokens = decoder.generate(input_ids, max_new_tokens=256)   # [B, prompt + generated], like model.generate
+
+    `model`: a transformers Gemma4ForCausalLM (or Gemma4ForConditionalGeneration, text only). On CUDA the step is
+    captured at the first `generate` (`cuda_graph=False` runs it eagerly, as on other devices). With
+    `compile=True` the step is compiled by torch.compile first (fewer, fused kernels; costs compile time).
+    """
+
+    def __init__(self, model, batch_size: int = 1, max_length: int = 2048, compile: bool = False,
+                 cuda_graph: bool | None = None, sync_every: int = 32):  # fmt: skip
+        if batch_size < 1 or max_length < 2:
+            raise ValueError(f"GreedyDecoder: batch_size must be >= 1 and max_length >= 2, got {batch_size}, "
+                             f"{max_length}")  # fmt: skip
+        param = next(model.parameters())
+        self.model = model
+        self.batch, self.max_length, self.sync_every = batch_size, max_length, max(1, sync_every)
+        self.device = param.device
+        self.use_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
+        if self.use_graph and self.device.type != "cuda":
+            raise ValueError(f"GreedyDecoder: cuda_graph=True needs the model on a CUDA device, not {self.device}")
+        self.position = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.cache = GraphKVCache(model, batch_size, max_length, self.position)
+        self.next_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
+        self.out = torch.zeros(batch_size, max_length, dtype=torch.long, device=self.device)
+        self.step_fn = torch.compile(self._step, fullgraph=True) if compile else self._step
+        self.graph = None
+
+    # -- the step -------------------------------------------------------------------------------------------------
+    def _logits_to_next(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, -1].float().argmax(dim=-1)  # as generate: fp32 copy of the last position, first maximum
+
+    def _step(self):
+        """Decode the token in `next_ids` at `position`; leaves the next token in `next_ids` and in `out`."""
+        position_ids = self.position.view(1, 1).expand(self.batch, 1)
+        logits = self.model(
+            input_ids=self.next_ids, attention_mask=self.cache.decode_masks(self.batch), position_ids=position_ids,
+            past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+        ).logits  # fmt: skip
+        nxt = self._logits_to_next(logits)
+        self.position.add_(1)
+        self.out.index_copy_(1, self.position, nxt[:, None])
+        self.next_ids.copy_(nxt[:, None])
+
+    def _capture(self):
+        """Warm up on a side stream (compilation, cuBLAS handles, lazy kernel loads), then record one step. The
+        warm-up and the capture really run the step on whatever state there is; that is harmless, because prefill
+        rewrites the state and a step writes a KV slot before any mask exposes it."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self.step_fn()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step_fn()
+
+    # -- generation -----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> None:
+        """Run the prompt from position 0 and leave its greedy next token in `next_ids` (and `out`)."""
+        b, n = input_ids.shape
+        position_ids = torch.arange(n, device=self.device)[None].expand(b, n)
+        logits = self.model(
+            input_ids=input_ids, attention_mask=self.cache.prefill_masks(b, n, self.device), position_ids=position_ids,
+            past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+        ).logits  # fmt: skip
+        nxt = self._logits_to_next(logits)
+        self.out[:, :n] = input_ids
+        self.out[:, n] = nxt
+        self.next_ids.copy_(nxt[:, None])
+        self.position.fill_(n)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None, pad_token_id: int = 0):
+        """-> [B, prompt + generated] token ids. Rows that produced an EOS are padded with `pad_token_id` after it,
+        and generation stops once every row has one, as `model.generate` does for greedy search."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != self.batch:
+            raise ValueError(f"GreedyDecoder: input_ids must be [batch={self.batch}, prompt], "
+                             f"got {list(input_ids.shape)}")  # fmt: skip
+        n = input_ids.shape[1]
+        if n < 1 or max_new_tokens < 1 or n + max_new_tokens > self.max_length:
+            raise ValueError(f"GreedyDecoder: prompt {n} + {max_new_tokens} new tokens must fit max_length "
+                             f"{self.max_length} (and both be >= 1)")  # fmt: skip
+        input_ids = input_ids.to(self.device)
+        eos = torch.tensor(sorted(set(_as_list(eos_token_id))), dtype=torch.long, device=self.device)
+        if self.use_graph and self.graph is None:
+            self._capture()
+        self.prefill(input_ids)
+        run = self.graph.replay if self.graph is not None else self.step_fn
+        done = 1
+        while done < max_new_tokens:
+            steps = min(self.sync_every, max_new_tokens - done)
+            for _ in range(steps):
+                run()
+            done += steps
+            if eos.numel() and bool(torch.isin(self.out[:, n : n + done], eos).any(dim=1).all()):
+                break
+        return _pad_after_eos(self.out[:, : n + done].clone(), n, eos, pad_token_id)
+
+
+def _as_list(eos_token_id) -> list[int]:
+    if eos_token_id is None:
+        return []
+    if isinstance(eos_token_id, torch.Tensor):
+        return [int(t) for t in eos_token_id.flatten()]
+    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
+
+
+def _pad_after_eos(tokens: torch.Tensor, prompt_len: int, eos: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Greedy search's output: after a row's first EOS, pad; trim to the step where the last row finished."""
+    if not eos.numel():
+        return tokens
+    new = tokens[:, prompt_len:]
+    is_eos = torch.isin(new, eos)
+    after = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # strictly after the first EOS
+    new.masked_fill_(after, pad_token_id)
+    finished = is_eos.any(dim=1)
+    if bool(finished.all()):
+        last = int(is_eos.float().argmax(dim=1).max())  # the latest first-EOS over the rows
+        tokens = tokens[:, : prompt_len + last + 1]
+    return tokens
