@@ -8,8 +8,15 @@ This is the only module that knows transformers' Gemma-4 class names and quirks 
   sharded as a DTensor or hooked by accelerate keeps the stock forward, so an adapter is never silently bypassed.
   The double-wide MLP of E2B's KV-shared layers is just a wider weight.
 
-Only `forward` attributes are replaced (on the class, or on one model's module instances); classes are never
-swapped and no file of the install is touched. Each patch remembers the forward it replaced, and `disable()` puts
+- Attention: `enable()` registers a "g4ops" attention implementation with transformers' AttentionInterface and
+  AttentionMaskInterface (`from_pretrained(..., attn_implementation="g4ops")` then works), and `enable(model)`
+  switches that model's Gemma-4 text attention from "sdpa" to it. It runs `g4ops.attention` (exact, GEMM-chunked,
+  O(L * window) on sliding layers, any head_dim) for training and prefill without padding, and stock SDPA with the
+  mask stock would have built everywhere else (section "Attention" below).
+
+Only `forward` attributes are replaced (on the class, or on one model's module instances), plus the attention
+implementation name of the Gemma-4 text configs that `enable(model)` switches; classes are never swapped and no
+file of the install is touched. Each patch remembers the forward it replaced, and `disable()` puts
 those back. Before patching, a probe checks that the installed transformers computes what the ops compute, so a
 future change of semantics is refused loudly instead of producing a silently different model.
 """
@@ -161,9 +168,11 @@ def _stock_forward_of(cls: type):
 class _Patches:
     """What one `enable()` call changed; a context manager that undoes exactly that on exit."""
 
-    def __init__(self, classes: list[type], modules: list[nn.Module]):
+    def __init__(self, classes: list[type], modules: list[nn.Module], configs=(), registered: bool = False):
         self.classes = classes
         self.modules = [weakref.ref(m) for m in modules]
+        self.configs = [weakref.ref(c) for c in configs]
+        self.registered = registered
 
     def __enter__(self):
         return self
@@ -175,6 +184,12 @@ class _Patches:
             module = ref()
             if module is not None:
                 _unpatch_module(module)
+        for ref in self.configs:
+            config = ref()
+            if config is not None:
+                _restore_attention(config)
+        if self.registered:
+            _unregister_attention()
         return False
 
 
@@ -191,6 +206,165 @@ def _unpatch_module(module: nn.Module) -> None:
     _instance_patches[:] = [r for r in _instance_patches if r() is not None and r() is not module]
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Attention: "g4ops", registered with transformers' attention interface (the flash-attention contract).
+#
+# The mask function returns None exactly when the mask would be the plain causal or sliding-window pattern over
+# q_len == kv_len positions from 0 (no padding, no cache offset, no packed sequences, image blocks or bidirectional
+# layers: transformers forbids the is_causal skip for those), so the attention receives mask None plus its
+# `sliding_window` and runs g4ops.attention; everything else gets stock sdpa's mask and stock sdpa attention. A None
+# mask then always means "causal, queries bottom-right aligned". Stock sdpa may also skip its mask for a
+# static-cache prefill (L < S, top-left aligned); we never let it for L > 1, because transformers 5.24 slices the
+# queries of KV-shared layers to the last rows when the mask is None under any implementation not named "sdpa",
+# and one alignment must be right for both.
+
+ATTENTION = "g4ops"
+_switched_configs: list[weakref.ref] = []  # Gemma-4 text configs enable(model) moved from "sdpa" to "g4ops"
+
+
+def _interfaces():
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    return AttentionInterface, AttentionMaskInterface
+
+
+def _no_padding(attention_mask, kv_length: int) -> bool:
+    if attention_mask is None:
+        return True
+    # Reading a mask's values is a host sync: stock sdpa does the same check in eager; under compile we never do.
+    return (
+        not torch.compiler.is_compiling()
+        and attention_mask.shape[-1] == kv_length
+        and bool(attention_mask.all())
+    )
+
+
+def g4ops_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset=0,
+    attention_mask=None,
+    local_size=None,
+    allow_is_causal_skip: bool = True,
+    config=None,
+    **kwargs,
+):
+    """AttentionMaskInterface entry: None for the pure causal/sliding pattern, else what stock sdpa builds."""
+    from transformers.masking_utils import sdpa_mask
+
+    pure = (
+        allow_is_causal_skip
+        and q_length == kv_length
+        and isinstance(q_offset, int)
+        and q_offset == 0
+        and isinstance(kv_offset, int)
+        and kv_offset == 0
+        # a local size that is not this model's sliding window is another pattern (chunked attention)
+        and local_size in (None, getattr(config, "sliding_window", None))
+        and _no_padding(attention_mask, kv_length)
+    )
+    if pure:
+        return None
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=allow_is_causal_skip and q_length == 1,  # see the section comment
+        config=config,
+        **kwargs,
+    )
+
+
+def _pattern_mask(q_len: int, kv_len: int, window: int | None, device) -> torch.Tensor:
+    """[1, 1, L, S] bool: the causal (sliding) pattern with the queries at the last L positions."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    seen = k_pos <= q_pos
+    if window is not None:
+        seen = seen & (k_pos > q_pos - window)
+    return seen[None, None]
+
+
+def g4ops_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
+    """AttentionInterface entry: query [B, Hq, L, D], key/value [B, Hkv, S, D] -> ([B, L, Hq, D], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from .attention import attention
+
+    def stock(mask):
+        return sdpa_attention_forward(
+            module, query, key, value, mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window,
+            is_causal=is_causal, **kwargs,
+        )
+
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is not None or not causal or q_len > kv_len:
+        return stock(attention_mask)  # stock's mask (padding, cache), or stock's meaning of no mask
+    if q_len == 1 and (sliding_window is None or kv_len <= sliding_window):
+        return stock(None)  # a decode step that sees every key: stock's fast path, same result
+    if dropout != 0.0 or kwargs.get("output_attentions") or any(
+        kwargs.get(name) is not None for name in ("softcap", "position_bias")
+    ):
+        return stock(_pattern_mask(q_len, kv_len, sliding_window, query.device))
+    out = attention(query, key, value, scale=scaling, window=sliding_window)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> bool:
+    """Register "g4ops" with both interfaces; True when this call did it."""
+    attn, mask = _interfaces()
+    if attn._global_mapping.get(ATTENTION) is g4ops_attention_forward:
+        return False
+    attn.register(ATTENTION, g4ops_attention_forward)
+    mask.register(ATTENTION, g4ops_mask)
+    return True
+
+
+def _unregister_attention() -> None:
+    attn, mask = _interfaces()
+    for interface, fn in ((attn, g4ops_attention_forward), (mask, g4ops_mask)):
+        if interface._global_mapping.get(ATTENTION) is fn:
+            del interface._global_mapping[ATTENTION]
+
+
+def _switch_attention(model: nn.Module, hf) -> list:
+    """Move the Gemma-4 text configs of `model` that use "sdpa" to "g4ops" (eager/flash/flex choices are kept)."""
+    switched = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(module, hf.Gemma4TextAttention) and getattr(config, "_attn_implementation", None) == "sdpa":
+            config._attn_implementation = ATTENTION
+            _switched_configs.append(weakref.ref(config))
+            switched.append(config)
+    return switched
+
+
+def _restore_attention(config) -> None:
+    for ref in list(_switched_configs):
+        if ref() is config:
+            config._attn_implementation = "sdpa"
+            _switched_configs.remove(ref)
+
+
 def _maybe_build_kernels() -> None:
     """On a GPU machine, build (or load) the kernels now, so a failure shows at enable() and not mid-forward."""
     if torch.cuda.is_available():
@@ -200,13 +374,15 @@ def _maybe_build_kernels() -> None:
 
 
 def enable(model: nn.Module | None = None) -> _Patches:
-    """Patch every Gemma-4 norm/MLP (and the causal-LM loss) class, or only the modules of `model`.
+    """Patch every Gemma-4 norm/MLP (and the causal-LM loss) class, or only the modules of `model`; register the
+    "g4ops" attention implementation, and with `model`, switch its Gemma-4 text attention from "sdpa" to it.
 
     Idempotent; returns a handle that works as a context manager (`with g4ops.enable(): ...`) and undoes on exit
     only what this call changed."""
     hf = _gemma4()
     _probe_once(hf)
     _maybe_build_kernels()
+    registered = _register_attention()
     table = _patch_table()
     if model is None:
         patched = []
@@ -215,7 +391,7 @@ def enable(model: nn.Module | None = None) -> _Patches:
                 _class_patches[cls] = cls.forward
                 cls.forward = make_forward(cls.forward)
                 patched.append(cls)
-        return _Patches(patched, [])
+        return _Patches(patched, [], registered=registered)
     patched_modules = []
     for module in model.modules():
         # isinstance, not type equality: FSDP2's fully_shard turns a module's class into a generated subclass.
@@ -228,11 +404,12 @@ def enable(model: nn.Module | None = None) -> _Patches:
         module.forward = types.MethodType(table[cls](stock), module)
         _instance_patches.append(weakref.ref(module))
         patched_modules.append(module)
-    return _Patches([], patched_modules)
+    return _Patches([], patched_modules, _switch_attention(model, hf), registered)
 
 
 def disable(model: nn.Module | None = None) -> None:
-    """Undo `enable()`: everything, or only the instance patches of `model`."""
+    """Undo `enable()`: everything (the "g4ops" attention registration included), or only the instance patches and
+    the attention switch of `model`."""
     if model is None:
         for cls in list(_class_patches):
             _unpatch_class(cls)
@@ -241,9 +418,18 @@ def disable(model: nn.Module | None = None) -> None:
             if module is not None:
                 _unpatch_module(module)
         _instance_patches.clear()
+        for ref in list(_switched_configs):
+            config = ref()
+            if config is not None:
+                _restore_attention(config)
+        _switched_configs.clear()
+        _unregister_attention()
         return
     for module in model.modules():
         _unpatch_module(module)
+        config = getattr(module, "config", None)
+        if config is not None:
+            _restore_attention(config)
 
 
 def is_enabled(model: nn.Module | None = None) -> bool:

@@ -1,0 +1,190 @@
+"""Exact causal (optionally sliding-window) attention for training and prefill, as batched GEMMs over query chunks.
+
+Why: Gemma-4's full-attention layers have head_dim 512, which PyTorch's flash and cuDNN SDPA kernels do not take, so
+SDPA falls back to the mem-efficient kernel, whose backward is slow (H200, 2048 tokens: ~8 ms per full layer against
+~0.45 ms for a head_dim-256 sliding layer on cuDNN). And the sliding layers get a dense [L, L] mask from
+transformers, so they cost O(L^2) although only a 512-token window is visible. Here each query chunk multiplies only
+against the keys it can see (causal: up to the chunk's last row; sliding: the window), so sliding layers cost
+O(L * window), and the GEMMs run on cuBLAS at any head_dim.
+
+Semantics (what `attention` returns is softmax(scale * q k^T + mask) v, per query head):
+- query [B, Hq, L, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv], L <= S; query head h reads kv head h // (Hq / Hkv)
+  (transformers' `repeat_kv` order), and the kv gradients are summed over the heads that share them.
+- Queries are the last L positions (bottom-right aligned: query i sits at position S - L + i; L == S in training).
+  Query position p sees key position k when k <= p, and with a sliding window also k > p - window (transformers'
+  `sliding_window_overlay`: `kv_idx > q_idx - sliding_window`).
+- Numerics are flash-attention's: scores, the softmax and its statistics in fp32 (fp64 for fp64 inputs); the
+  probabilities P and the score gradient dS are rounded to the input dtype before the GEMMs that consume them (as
+  flash and the mem-efficient kernel do); every GEMM accumulates in fp32 and the outputs and gradients are rounded
+  once to the input dtype.
+- Memory: forward saves only q, k, v, out and the fp32 row logsumexp; backward recomputes P chunk by chunk. The
+  transient per chunk is a [B, Hq, chunk, visible keys] fp32 score block.
+
+It is a `torch.autograd.Function` of plain ATen ops whose Python loop over chunks depends only on shapes, so
+`torch.compile(fullgraph=True)` traces it (no graph break) and Inductor fuses the softmax work around the GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 512  # query rows per GEMM block: big enough for full-speed GEMMs, small enough for the fp32 score block
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """a @ b (3-D) with the result in `acc`. bf16/fp16 on CUDA: tensor-core GEMM that keeps its fp32 accumulator
+    (bmm's out_dtype); elsewhere the inputs are upcast, which gives the same exact products summed in fp32."""
+    if a.dtype in _LOW_PRECISION and a.is_cuda:
+        return torch.bmm(a, b, out_dtype=acc)
+    return torch.bmm(a.to(acc), b.to(acc))
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[rows, keys] bool: key position k is visible from query position p (k <= p, and k > p - window)."""
+    seen = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        seen = seen & (k_pos[None, :] > q_pos[:, None] - window)
+    return seen
+
+
+def _key_range(q0: int, q1: int, offset: int, window: int | None) -> tuple[int, int]:
+    """Keys [lo, hi) that query rows [q0, q1) (positions offset + q0 ...) can see."""
+    hi = offset + q1
+    lo = 0 if window is None else max(0, offset + q0 - window + 1)
+    return lo, hi
+
+
+class _Attention(torch.autograd.Function):
+    # q [B, Hkv, G, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv], all contiguous; out [B, Hkv, G, L, Dv].
+    # A chunk of G * rows query rows of one kv head is one GEMM batch entry: [B * Hkv, G * rows, D].
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, window: int | None, chunk: int):
+        b, hkv, g, n, d = q.shape
+        s_len, e = k.shape[2], v.shape[3]
+        acc = _acc_dtype(q.dtype)
+        offset = s_len - n
+        outs, lses = [], []
+        with torch.autocast(q.device.type, enabled=False):  # the GEMM dtypes below are chosen on purpose
+            for q0 in range(0, n, chunk):
+                q1 = min(q0 + chunk, n)
+                lo, hi = _key_range(q0, q1, offset, window)
+                rows = q1 - q0
+                qc = q[:, :, :, q0:q1].reshape(b * hkv, g * rows, d)
+                kc = k[:, :, lo:hi].reshape(b * hkv, hi - lo, d)
+                vc = v[:, :, lo:hi].reshape(b * hkv, hi - lo, e)
+                s = (_bmm(qc, kc.transpose(1, 2), acc) * scale).view(b, hkv, g, rows, hi - lo)
+                pos = torch.arange(q0 + offset, q1 + offset, device=q.device)
+                seen = _visible(pos, torch.arange(lo, hi, device=q.device), window)
+                s = s.masked_fill(~seen, float("-inf"))
+                lse = torch.logsumexp(s, dim=-1)  # every row sees at least its own key: finite
+                p = torch.exp(s - lse[..., None]).to(q.dtype).view(b * hkv, g * rows, hi - lo)
+                outs.append(_bmm(p, vc, acc).view(b, hkv, g, rows, e).to(q.dtype))
+                lses.append(lse)
+        out = torch.cat(outs, dim=3)
+        lse = torch.cat(lses, dim=3)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.window, ctx.chunk = scale, window, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # dV += P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = dS K * scale, dK += dS^T Q * scale
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, window, chunk = ctx.scale, ctx.window, ctx.chunk
+        b, hkv, g, n, d = q.shape
+        s_len, e = k.shape[2], v.shape[3]
+        acc = _acc_dtype(q.dtype)
+        offset = s_len - n
+        grad_out = grad_out.contiguous()
+        delta = (grad_out.to(acc) * out.to(acc)).sum(-1)  # rowsum(dO * O): [B, Hkv, G, L]
+        dk = torch.zeros(b, hkv, s_len, d, dtype=acc, device=q.device)
+        dv = torch.zeros(b, hkv, s_len, e, dtype=acc, device=q.device)
+        dqs = []
+        with torch.autocast(q.device.type, enabled=False):
+            for q0 in range(0, n, chunk):
+                q1 = min(q0 + chunk, n)
+                lo, hi = _key_range(q0, q1, offset, window)
+                rows, width = q1 - q0, hi - lo
+                qc = q[:, :, :, q0:q1].reshape(b * hkv, g * rows, d)
+                doc = grad_out[:, :, :, q0:q1].reshape(b * hkv, g * rows, e)
+                kc = k[:, :, lo:hi].reshape(b * hkv, width, d)
+                vc = v[:, :, lo:hi].reshape(b * hkv, width, e)
+                s = (_bmm(qc, kc.transpose(1, 2), acc) * scale).view(b, hkv, g, rows, width)
+                pos = torch.arange(q0 + offset, q1 + offset, device=q.device)
+                seen = _visible(pos, torch.arange(lo, hi, device=q.device), window)
+                p = torch.exp(s.masked_fill(~seen, float("-inf")) - lse[:, :, :, q0:q1, None])
+                dp = _bmm(doc, vc.transpose(1, 2), acc).view(b, hkv, g, rows, width)
+                ds = (p * (dp - delta[:, :, :, q0:q1, None])).to(q.dtype).view(b * hkv, g * rows, width)
+                p = p.to(q.dtype).view(b * hkv, g * rows, width)
+                dv[:, :, lo:hi] += _bmm(p.transpose(1, 2), doc, acc).view(b, hkv, width, e)
+                dk[:, :, lo:hi] += _bmm(ds.transpose(1, 2), qc, acc).view(b, hkv, width, d) * scale
+                dqs.append((_bmm(ds, kc, acc) * scale).view(b, hkv, g, rows, d).to(q.dtype))
+        dq = torch.cat(dqs, dim=3)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window, chunk: int) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"g4ops.attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"g4ops.attention: {name} must be 4-D [batch, heads, seq, head_dim], got {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"g4ops.attention: {name} must be floating point, got {t.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(f"g4ops.attention: {name} dtype {t.dtype} != query dtype {query.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"g4ops.attention: {name} is on {t.device}, query on {query.device}")
+    if key.shape[:3] != value.shape[:3]:
+        raise ValueError(
+            f"g4ops.attention: value shape {tuple(value.shape)} must match key {tuple(key.shape)} in batch, heads, seq"
+        )
+    if key.shape[0] != query.shape[0]:
+        raise ValueError(f"g4ops.attention: key batch {key.shape[0]} != query batch {query.shape[0]}")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"g4ops.attention: key head_dim {key.shape[-1]} != query head_dim {query.shape[-1]}")
+    hq, hkv = query.shape[1], key.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"g4ops.attention: query heads {hq} must be a multiple of key/value heads {hkv}")
+    if query.shape[2] == 0:
+        raise ValueError("g4ops.attention: query has no positions (length 0)")
+    if query.shape[2] > key.shape[2]:
+        raise ValueError(
+            f"g4ops.attention: query length {query.shape[2]} > key length {key.shape[2]} (queries are the last "
+            "positions of the keys)"
+        )
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"g4ops.attention: window must be a positive int or None, got {window!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"g4ops.attention: chunk must be a positive int, got {chunk!r}")
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None = None,
+    window: int | None = None,
+    chunk: int = CHUNK,
+) -> torch.Tensor:
+    """Causal attention, optionally sliding-window, exact (see the module docstring for the semantics).
+
+    query [B, Hq, L, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] (any strides; Hq a multiple of Hkv; L <= S, the
+    queries being the last L positions); scale defaults to 1/sqrt(D) like SDPA; window: a query at position p sees
+    keys p - window < k <= p. Returns [B, Hq, L, Dv] in the query's dtype."""
+    _check(query, key, value, window, chunk)
+    b, hq, n, d = query.shape
+    hkv = key.shape[1]
+    if scale is None:
+        scale = d**-0.5
+    q = query.contiguous().view(b, hkv, hq // hkv, n, d)
+    out = _Attention.apply(q, key.contiguous(), value.contiguous(), float(scale), window, chunk)
+    return out.view(b, hq, n, value.shape[-1])
