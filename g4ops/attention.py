@@ -13,10 +13,10 @@ Semantics (what `attention` returns is softmax(scale * q k^T + mask) v, per quer
 - Queries are the last L positions (bottom-right aligned: query i sits at position S - L + i; L == S in training).
   Query position p sees key position k when k <= p, and with a sliding window also k > p - window (transformers'
   `sliding_window_overlay`: `kv_idx > q_idx - sliding_window`).
-- Numerics are flash-attention's: scores, the softmax and its statistics in fp32 (fp64 for fp64 inputs); the
-  probabilities P and the score gradient dS are rounded to the input dtype before the GEMMs that consume them (as
-  flash and the mem-efficient kernel do); every GEMM accumulates in fp32 and the outputs and gradients are rounded
-  once to the input dtype.
+- Numerics: scores, the softmax and its statistics in fp32 (fp64 for fp64 inputs); every GEMM accumulates in fp32
+  and the outputs and gradients are rounded once to the input dtype. bf16/fp16 on CUDA: the GEMMs run on tensor
+  cores, so the probabilities P and the score gradient dS are rounded to the input dtype first (as flash and the
+  mem-efficient kernel do); elsewhere the GEMMs run in fp32 on upcast inputs and P, dS stay fp32.
 - Memory: forward saves only q, k, v, out and the fp32 row logsumexp; backward recomputes P chunk by chunk. The
   transient per chunk is a [B, Hq, chunk, visible keys] fp32 score block.
 
@@ -37,12 +37,15 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _operand_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype GEMM operands are in: bf16/fp16 on CUDA (tensor cores, fp32 accumulator); elsewhere the inputs
+    are upcast to fp32, so P and dS need no rounding there."""
+    return x.dtype if x.dtype in _LOW_PRECISION and x.is_cuda else _acc_dtype(x.dtype)
+
+
 def _bmm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """a @ b (3-D) with the result in `acc`. bf16/fp16 on CUDA: tensor-core GEMM that keeps its fp32 accumulator
-    (bmm's out_dtype); elsewhere the inputs are upcast, which gives the same exact products summed in fp32."""
-    if a.dtype in _LOW_PRECISION and a.is_cuda:
-        return torch.bmm(a, b, out_dtype=acc)
-    return torch.bmm(a.to(acc), b.to(acc))
+    """a @ b (3-D) with the result in `acc` (bmm's out_dtype keeps a bf16/fp16 GEMM's fp32 accumulator)."""
+    return torch.bmm(a, b) if a.dtype == acc else torch.bmm(a, b, out_dtype=acc)
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -68,23 +71,24 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, scale: float, window: int | None, chunk: int):
         b, hkv, g, n, d = q.shape
         s_len, e = k.shape[2], v.shape[3]
-        acc = _acc_dtype(q.dtype)
+        acc, op = _acc_dtype(q.dtype), _operand_dtype(q)
         offset = s_len - n
+        qo, ko, vo = q.to(op), k.to(op), v.to(op)  # no-op on CUDA; fp32 copies where the GEMMs run in fp32
         outs, lses = [], []
         with torch.autocast(q.device.type, enabled=False):  # the GEMM dtypes below are chosen on purpose
             for q0 in range(0, n, chunk):
                 q1 = min(q0 + chunk, n)
                 lo, hi = _key_range(q0, q1, offset, window)
                 rows = q1 - q0
-                qc = q[:, :, :, q0:q1].reshape(b * hkv, g * rows, d)
-                kc = k[:, :, lo:hi].reshape(b * hkv, hi - lo, d)
-                vc = v[:, :, lo:hi].reshape(b * hkv, hi - lo, e)
+                qc = qo[:, :, :, q0:q1].reshape(b * hkv, g * rows, d)
+                kc = ko[:, :, lo:hi].reshape(b * hkv, hi - lo, d)
+                vc = vo[:, :, lo:hi].reshape(b * hkv, hi - lo, e)
                 s = (_bmm(qc, kc.transpose(1, 2), acc) * scale).view(b, hkv, g, rows, hi - lo)
                 pos = torch.arange(q0 + offset, q1 + offset, device=q.device)
                 seen = _visible(pos, torch.arange(lo, hi, device=q.device), window)
                 s = s.masked_fill(~seen, float("-inf"))
                 lse = torch.logsumexp(s, dim=-1)  # every row sees at least its own key: finite
-                p = torch.exp(s - lse[..., None]).to(q.dtype).view(b * hkv, g * rows, hi - lo)
+                p = torch.exp(s - lse[..., None]).to(op).view(b * hkv, g * rows, hi - lo)
                 outs.append(_bmm(p, vc, acc).view(b, hkv, g, rows, e).to(q.dtype))
                 lses.append(lse)
         out = torch.cat(outs, dim=3)
@@ -100,10 +104,12 @@ class _Attention(torch.autograd.Function):
         scale, window, chunk = ctx.scale, ctx.window, ctx.chunk
         b, hkv, g, n, d = q.shape
         s_len, e = k.shape[2], v.shape[3]
-        acc = _acc_dtype(q.dtype)
+        acc, op = _acc_dtype(q.dtype), _operand_dtype(q)
         offset = s_len - n
         grad_out = grad_out.contiguous()
+        qo, ko, vo = q.to(op), k.to(op), v.to(op)
         delta = (grad_out.to(acc) * out.to(acc)).sum(-1)  # rowsum(dO * O): [B, Hkv, G, L]
+        grad_out = grad_out.to(op)
         dk = torch.zeros(b, hkv, s_len, d, dtype=acc, device=q.device)
         dv = torch.zeros(b, hkv, s_len, e, dtype=acc, device=q.device)
         dqs = []
@@ -112,17 +118,17 @@ class _Attention(torch.autograd.Function):
                 q1 = min(q0 + chunk, n)
                 lo, hi = _key_range(q0, q1, offset, window)
                 rows, width = q1 - q0, hi - lo
-                qc = q[:, :, :, q0:q1].reshape(b * hkv, g * rows, d)
+                qc = qo[:, :, :, q0:q1].reshape(b * hkv, g * rows, d)
                 doc = grad_out[:, :, :, q0:q1].reshape(b * hkv, g * rows, e)
-                kc = k[:, :, lo:hi].reshape(b * hkv, width, d)
-                vc = v[:, :, lo:hi].reshape(b * hkv, width, e)
+                kc = ko[:, :, lo:hi].reshape(b * hkv, width, d)
+                vc = vo[:, :, lo:hi].reshape(b * hkv, width, e)
                 s = (_bmm(qc, kc.transpose(1, 2), acc) * scale).view(b, hkv, g, rows, width)
                 pos = torch.arange(q0 + offset, q1 + offset, device=q.device)
                 seen = _visible(pos, torch.arange(lo, hi, device=q.device), window)
                 p = torch.exp(s.masked_fill(~seen, float("-inf")) - lse[:, :, :, q0:q1, None])
                 dp = _bmm(doc, vc.transpose(1, 2), acc).view(b, hkv, g, rows, width)
-                ds = (p * (dp - delta[:, :, :, q0:q1, None])).to(q.dtype).view(b * hkv, g * rows, width)
-                p = p.to(q.dtype).view(b * hkv, g * rows, width)
+                ds = (p * (dp - delta[:, :, :, q0:q1, None])).to(op).view(b * hkv, g * rows, width)
+                p = p.to(op).view(b * hkv, g * rows, width)
                 dv[:, :, lo:hi] += _bmm(p.transpose(1, 2), doc, acc).view(b, hkv, width, e)
                 dk[:, :, lo:hi] += _bmm(ds.transpose(1, 2), qc, acc).view(b, hkv, width, d) * scale
                 dqs.append((_bmm(ds, kc, acc) * scale).view(b, hkv, g, rows, d).to(q.dtype))

@@ -359,10 +359,11 @@ def _switch_attention(model: nn.Module, hf) -> list:
 
 
 def _restore_attention(config) -> None:
-    for ref in list(_switched_configs):
+    for i, ref in enumerate(_switched_configs):  # by identity: weakref == would call the config's __eq__
         if ref() is config:
             config._attn_implementation = "sdpa"
-            _switched_configs.remove(ref)
+            del _switched_configs[i]
+            return
 
 
 def _maybe_build_kernels() -> None:
@@ -418,10 +419,10 @@ def disable(model: nn.Module | None = None) -> None:
             if module is not None:
                 _unpatch_module(module)
         _instance_patches.clear()
-        for ref in list(_switched_configs):
+        for ref in _switched_configs:
             config = ref()
             if config is not None:
-                _restore_attention(config)
+                config._attn_implementation = "sdpa"
         _switched_configs.clear()
         _unregister_attention()
         return

@@ -1,0 +1,425 @@
+"""g4ops.attention (GEMM-chunked exact causal/sliding attention) against an fp64 oracle and against stock SDPA, and
+the "g4ops" attention implementation inside tiny Gemma-4 models (g4ops/integration.py, section "Attention").
+
+Every test runs on CPU; the `cuda` parametrisation runs the same checks on a GPU machine (bf16/fp16 GEMMs on tensor
+cores there, compared with the SDPA kernel torch picks on that GPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import g4ops
+from g4ops import attention as attention_module
+from g4ops import integration
+from g4ops.attention import attention
+from g4ops.models import build_model
+
+try:
+    from . import oracle as O
+except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    import oracle as O
+
+hf = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")],
+    ),
+]
+F64 = torch.float64
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fp64 oracle: plain masked softmax attention, written from the definition (not from g4ops.attention).
+
+
+def visible(q_len: int, kv_len: int, window: int | None, device="cpu") -> torch.Tensor:
+    """[L, S] bool: query i (at position S - L + i) sees key p when p <= its position and, with a window,
+    p > position - window."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    seen = k_pos <= q_pos
+    return seen if window is None else seen & (k_pos > q_pos - window)
+
+
+def oracle(q, k, v, scale, window, grad_out):
+    """(out, (dq, dk, dv), abs terms of (out, dq, dk, dv)) in fp64. Gradients by fp64 autograd through the plain
+    formula; the abs terms replace every factor of each result's final GEMM, and the terms of dS, by their absolute
+    values (for the condition number of that sum, tests/oracle.py `condition`)."""
+    q, k, v = (t.detach().to(F64).requires_grad_() for t in (q, k, v))
+    dout = grad_out.detach().to(F64)
+    group = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = (q @ kr.transpose(-1, -2)) * scale
+    s = s.masked_fill(~visible(q.shape[2], k.shape[2], window, q.device), -math.inf)
+    p = s.softmax(-1)
+    out = p @ vr
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    with torch.no_grad():
+        # dS = P * (dP - rowsum(dO * O)) cancels (exactly, in a row that sees one key): its terms' sizes count
+        ds = p * ((dout @ vr.transpose(-1, -2)).abs() + (dout * out).sum(-1, keepdim=True).abs())
+
+        def kv_sum(t):  # sum over the query heads that share a kv head
+            return t.unflatten(1, (k.shape[1], group)).sum(2)
+
+        abs_terms = (
+            p @ vr.abs(),
+            ds @ kr.abs() * scale,
+            kv_sum(ds.transpose(-1, -2) @ q.abs()) * scale,
+            kv_sum(p.transpose(-1, -2) @ dout.abs()),
+        )
+    return out.detach(), grads, abs_terms
+
+
+def stock_sdpa(q, k, v, scale, window):
+    """torch SDPA with the same pattern as an explicit boolean mask (what transformers runs for a sliding layer)."""
+    mask = visible(q.shape[2], k.shape[2], window, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def transformer_view(b, seq, heads, d, dtype, gen, device, scale=1.0):
+    """[B, H, seq, D] as transformers hands it to attention: the transpose of a [B, seq, H, D] projection view."""
+    return O.make_tensor((b, seq, heads, d), dtype, gen, device=device, scale=scale).transpose(1, 2)
+
+
+def check_against_oracle_and_stock(device, dtype, b, hq, hkv, q_len, kv_len, d, window, chunk, seed, draws=1):
+    """g4ops' error vs fp64 is within bound (1) and no larger than stock SDPA's (bound 2), for out, dq, dk, dv."""
+    gen = _gen(seed)
+    scale = 2.0 * d**-0.5  # > 1/sqrt(d): peakier softmax rows than SDPA's default, as q/k norms with scale 1 give
+    sums = {name: [0.0, 0.0, 0.0] for name in ("out", "dq", "dk", "dv")}
+    for _ in range(draws):
+        q = transformer_view(b, q_len, hq, d, dtype, gen, device)
+        k = transformer_view(b, kv_len, hkv, d, dtype, gen, device)
+        v = transformer_view(b, kv_len, hkv, d, dtype, gen, device)
+        dout = transformer_view(b, q_len, hq, d, dtype, gen, device)  # non-contiguous like o_proj's input grad
+
+        out, grads = O.with_grads(lambda q, k, v: attention(q, k, v, scale, window, chunk), [q, k, v], dout)
+        assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+        s_out, s_grads = O.with_grads(lambda q, k, v: stock_sdpa(q, k, v, scale, window), [q, k, v], dout)
+        ref, ref_grads, abs_terms = oracle(q, k, v, scale, window, dout)
+        for i, name in enumerate(sums):
+            mine, stock, r = (out, s_out, ref) if i == 0 else (grads[i - 1], s_grads[i - 1], ref_grads[i - 1])
+            sums[name][0] += O.rel_err(mine, r)
+            sums[name][1] += O.rel_err(stock, r)
+            sums[name][2] += O.condition(abs_terms[i], r) ** 2
+    seen = min(kv_len, window or kv_len)  # keys per query row: the reduction length of out and dq
+    k_of = {"out": seen, "dq": seen, "dk": q_len * hq // hkv, "dv": q_len * hq // hkv}
+    context = f"{dtype} B{b} H{hq}/{hkv} L{q_len} S{kv_len} D{d} window {window} chunk {chunk} seed {seed}"
+    for name, (err, err_stock, kappa2) in sums.items():
+        err, err_stock, kappa = err / draws, err_stock / draws, math.sqrt(kappa2 / draws)
+        # bound (1): fp32 scores and softmax, then roundings of q-dtype operands (P, dS), the result, and in the
+        # gradients the rounded dO/dP products; kappa amplifies the rounding of the final sum's terms
+        bound = kappa * O.tolerance(dtype, k_of[name], roundings=4)
+        assert err <= bound, f"{name} [{context}]: error vs fp64 {err:.3e} > bound {bound:.3e} (kappa {kappa:.3g})"
+        n = b * hq * q_len * d if name in ("out", "dq") else b * hkv * kv_len * d
+        slack = O.floor(dtype, k_of[name], n, kappa, draws)
+        O.assert_no_worse_than_stock(f"{name} [{context}, kappa {kappa:.3g}]", err, err_stock, slack)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The kernel
+
+
+# (B, Hq, Hkv, L, S, D, window, chunk): odd lengths, chunk boundaries off the window and the length, window smaller
+# and larger than L, GQA 4:1 / 8:2 / 4:2 / 1:1, head dims 16, 256 and 512 (the E4B sliding/full dims), L < S.
+GRID = [
+    (1, 8, 2, 1, 1, 16, None, 4),
+    (2, 4, 1, 7, 7, 16, 3, 4),
+    (1, 8, 2, 513, 513, 16, None, 128),
+    (1, 4, 2, 1100, 1100, 16, 64, 512),
+    (1, 2, 2, 100, 100, 256, 200, 33),
+    (1, 4, 2, 70, 70, 512, 16, 32),
+    (1, 4, 2, 9, 20, 16, 5, 4),
+    (2, 8, 2, 33, 33, 16, 8, 512),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("config", GRID, ids=lambda c: "B{}-H{}x{}-L{}-S{}-D{}-w{}-c{}".format(*c))
+def test_matches_fp64_oracle_and_is_no_worse_than_stock_sdpa(device, dtype, config):
+    b, hq, hkv, q_len, kv_len, d, window, chunk = config
+    draws = max(1, min(16, 4096 // (b * hq * q_len * d)))  # tiny cases: average a few fresh draws
+    check_against_oracle_and_stock(device, dtype, b, hq, hkv, q_len, kv_len, d, window, chunk, seed=1, draws=draws)
+
+
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 4]),
+    q_len=st.integers(1, 80),
+    extra_keys=st.sampled_from([0, 0, 3]),
+    d=st.sampled_from([8, 16, 24]),
+    window=st.one_of(st.none(), st.integers(1, 90)),
+    chunk=st.integers(1, 48),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_property_random_shapes_windows_and_chunks(dtype, b, hkv, group, q_len, extra_keys, d, window, chunk, seed):
+    draws = max(1, min(8, 2048 // (b * hkv * group * q_len * d)))
+    check_against_oracle_and_stock(
+        "cpu", dtype, b, hkv * group, hkv, q_len, q_len + extra_keys, d, window, chunk, seed, draws
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 3])
+def test_gradcheck_fp64(device, window):
+    gen = _gen(3)
+    q = transformer_view(1, 6, 4, 5, F64, gen, device)
+    k = transformer_view(1, 8, 2, 5, F64, gen, device)
+    v = transformer_view(1, 8, 2, 5, F64, gen, device)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    assert torch.autograd.gradcheck(lambda q, k, v: attention(q, k, v, 0.7, window, chunk=4), leaves)
+
+
+def test_sliding_pattern_is_transformers_own():
+    """The oracle's visibility rule is transformers' sliding-window causal mask, boundary included."""
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    for window in (1, 3, 8):
+        theirs = sdpa_mask(
+            batch_size=1,
+            q_length=12,
+            kv_length=12,
+            mask_function=sliding_window_causal_mask_function(window),
+            allow_is_causal_skip=False,
+        )
+        assert torch.equal(theirs[0, 0], visible(12, 12, window))
+
+
+def test_sliding_layers_cost_linear_in_length():
+    """Each query chunk multiplies only against the keys it can see: a sliding layer does O(L * (chunk + window))
+    GEMM work, not O(L^2) (a full causal layer does about L^2 / 2)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gen = _gen(4)
+    q_len, d, window, chunk = 1024, 8, 16, 64
+    q, k, v = (transformer_view(1, q_len, 2, d, torch.float32, gen, "cpu") for _ in range(3))
+
+    def flops(window):
+        with FlopCounterMode(display=False) as counter:
+            attention(q, k, v, 1.0, window, chunk)
+        return counter.get_total_flops()
+
+    dense = 2 * 2 * 2 * q_len * q_len * d  # QK^T and PV over the full [L, L] square, 2 heads
+    assert flops(window) <= dense * (chunk + window) / q_len
+    assert flops(None) <= dense * (q_len / 2 + chunk) / q_len
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_compile_fullgraph_no_graph_breaks_matches_eager(device, window):
+    gen = _gen(5)
+    q = transformer_view(1, 19, 4, 16, torch.float32, gen, device)
+    k = transformer_view(1, 19, 2, 16, torch.float32, gen, device)
+    v = transformer_view(1, 19, 2, 16, torch.float32, gen, device)
+    dout = O.make_tensor((1, 4, 19, 16), torch.float32, gen, device=device)
+
+    def fn(q, k, v):
+        return attention(q, k, v, 1.0, window, chunk=8)
+
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(fn)(q, k, v)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    eager, eager_grads = O.with_grads(fn, [q, k, v], dout)
+    compiled, grads = O.with_grads(torch.compile(fn, fullgraph=True), [q, k, v], dout)
+    assert O.rel_err(compiled, eager) <= O.tolerance(torch.float32, 19)
+    for g, e in zip(grads, eager_grads):
+        assert O.rel_err(g, e) <= O.tolerance(torch.float32, 19 * 4)
+
+
+def test_bad_input_raises_naming_the_argument():
+    q = torch.randn(1, 4, 6, 8)
+    k = torch.randn(1, 2, 6, 8)
+    v = torch.randn(1, 2, 6, 8)
+    cases = [
+        ((q[0], k, v), {}, ValueError, "query must be 4-D"),
+        ((q, k[0], v), {}, ValueError, "key must be 4-D"),
+        ((q, k, v[..., 0]), {}, ValueError, "value must be 4-D"),
+        ((q, torch.randn(1, 3, 6, 8), torch.randn(1, 3, 6, 8)), {}, ValueError, "query heads 4 must be a multiple"),
+        ((q, k, torch.randn(1, 2, 5, 8)), {}, ValueError, "value shape"),
+        ((q, torch.randn(1, 2, 6, 7), v), {}, ValueError, "key head_dim 7"),
+        ((q, torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)), {}, ValueError, "key batch 2"),
+        ((q, k.double(), v), {}, TypeError, "key dtype torch.float64"),
+        ((q, k, v.bfloat16()), {}, TypeError, "value dtype torch.bfloat16"),
+        ((q.long(), k, v), {}, TypeError, "query must be floating point"),
+        ((torch.randn(1, 4, 7, 8), k, v), {}, ValueError, "query length 7 > key length 6"),
+        ((q, k, v), {"window": 0}, ValueError, "window must be a positive int"),
+        ((q, k, v), {"chunk": 0}, ValueError, "chunk must be a positive int"),
+    ]
+    for args, kwargs, exc, message in cases:
+        with pytest.raises(exc, match=message):
+            attention(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inside the model: the "g4ops" attention implementation
+
+
+@pytest.fixture(autouse=True)
+def _always_disabled():
+    g4ops.disable()
+    yield
+    g4ops.disable()
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Every call of the kernel: the integration imports `attention` from the module at call time."""
+    calls = []
+    real = attention_module.attention
+
+    def spy(query, key, value, scale=None, window=None, **kwargs):
+        calls.append((tuple(query.shape), tuple(key.shape), window))
+        return real(query, key, value, scale, window, **kwargs)
+
+    monkeypatch.setattr(attention_module, "attention", spy)
+    return calls
+
+
+def _tokens(vocab: int, shape=(2, 21), seed=0) -> torch.Tensor:
+    return torch.randint(3, vocab, shape, generator=_gen(seed))
+
+
+def _loss_and_grads(model, ids, attention_mask=None):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, attention_mask=attention_mask, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        logits = model(ids, attention_mask=attention_mask).logits
+    return logits, loss.detach(), grads
+
+
+def _assert_same_model_outputs(stock, ours):
+    # fp32 end to end; the norms/MLP ops and the attention GEMMs reassociate fp32 sums (tests/test_integration.py)
+    (logits0, loss0, grads0), (logits1, loss1, grads1) = stock, ours
+    assert O.rel_err(logits1, logits0) <= 2e-5
+    assert abs(loss1.item() - loss0.item()) <= 2e-5 * abs(loss0.item())
+    for name, g in grads0.items():
+        assert grads1[name] is not None, f"{name} got no gradient"
+        assert O.rel_err(grads1[name], g) <= 1e-4, f"{name}: {O.rel_err(grads1[name], g):.2e}"
+
+
+@pytest.mark.parametrize("shape", ["tiny-e4b", "tiny-e2b"])
+def test_model_with_g4ops_attention_matches_stock(shape, kernel_calls):
+    # 21 tokens cross the tiny models' sliding window of 8
+    model = build_model(shape).train()
+    ids = _tokens(model.config.vocab_size)
+    stock = _loss_and_grads(model, ids)
+    with g4ops.enable(model):
+        assert model.config._attn_implementation == integration.ATTENTION
+        ours = _loss_and_grads(model, ids)
+        sliding = [c for c in kernel_calls if c[2] == model.config.sliding_window]
+        assert sliding and any(c[2] is None for c in kernel_calls), kernel_calls  # both layer kinds ran ours
+        kernel_calls.clear()
+        ones = _loss_and_grads(model, ids, torch.ones_like(ids))  # an all-ones mask is no padding (eager check)
+        assert kernel_calls
+    assert model.config._attn_implementation == "sdpa"
+    _assert_same_model_outputs(stock, ours)
+    _assert_same_model_outputs(stock, ones)
+
+
+def test_padding_mask_falls_back_to_stock_and_matches(kernel_calls):
+    model = build_model("tiny-e4b").train()
+    ids = _tokens(model.config.vocab_size)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    stock = _loss_and_grads(model, ids, mask)
+    with g4ops.enable(model):
+        ours = _loss_and_grads(model, ids, mask)
+    assert not kernel_calls
+    _assert_same_model_outputs(stock, ours)
+
+
+def test_compiled_fullgraph_model_with_g4ops_attention(kernel_calls):
+    model = build_model("tiny-e4b").train()
+    ids = _tokens(model.config.vocab_size)
+    with g4ops.enable(model):
+        eager = _loss_and_grads(model, ids)
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(model)(ids, labels=ids)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        assert kernel_calls
+        logits, loss, grads = _loss_and_grads(torch.compile(model, fullgraph=True), ids)
+    compiled = (logits, loss, {k.removeprefix("_orig_mod."): v for k, v in grads.items()})
+    _assert_same_model_outputs(eager, compiled)
+
+
+def test_generate_dynamic_and_compiled_static_cache_match_stock(kernel_calls):
+    # Prefill through ours (the KV-shared layers get only the last query row, with keys beyond the window), decode
+    # through stock; generate's compiled static-cache decode keeps stock sdpa with its mask.
+    from g4ops.__main__ import _generate
+
+    model = build_model("tiny-e4b")
+    prompt = _tokens(model.config.vocab_size, shape=(1, 21))
+    stock, _ = _generate(model, prompt, new_tokens=5, compiled=False)
+    with g4ops.enable(model):
+        dynamic, _ = _generate(model, prompt, new_tokens=5, compiled=False)
+        assert ((1, 4, 1, 16), (1, 2, 21, 16), 8) in kernel_calls  # KV-shared sliding layer, one query row
+        torch._dynamo.reset()
+        static, _ = _generate(model, prompt, new_tokens=5, compiled=True)
+    assert dynamic == stock and static == stock
+
+
+def test_mask_function_returns_stock_masks_outside_the_pure_pattern():
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    config = build_model("tiny-e4b").config
+    base = {"batch_size": 2, "q_length": 6, "kv_length": 6, "mask_function": causal_mask_function, "config": config}
+    assert integration.g4ops_mask(**base) is None
+    assert integration.g4ops_mask(**base, local_size=config.sliding_window) is None
+    padding = torch.ones(2, 6, dtype=torch.bool)
+    padding[1, 0] = False
+    others = [
+        dict(base, attention_mask=padding),  # padding
+        dict(base, allow_is_causal_skip=False),  # packed sequences, image blocks, bidirectional, ...
+        dict(base, local_size=config.sliding_window + 1),  # not this model's window: chunked attention
+        dict(base, kv_length=9),  # a cache longer than the queries
+        dict(base, q_offset=3, kv_length=9),
+    ]
+    for kwargs in others:
+        ours = integration.g4ops_mask(**kwargs)
+        stock = sdpa_mask(**dict(kwargs, allow_is_causal_skip=False))
+        assert ours is not None and torch.equal(ours, stock), kwargs
+
+
+def test_enable_switch_and_disable_restore():
+    model, other = build_model("tiny-e4b"), build_model("tiny-e4b", seed=1)
+    eager = build_model("tiny-e4b", seed=2)
+    eager.config._attn_implementation = "eager"  # a user's explicit choice, which enable(model) keeps
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    with g4ops.enable():
+        assert (
+            integration.ATTENTION in ALL_ATTENTION_FUNCTIONS and integration.ATTENTION in ALL_MASK_ATTENTION_FUNCTIONS
+        )
+        assert model.config._attn_implementation == "sdpa"  # the class-level enable switches no model
+    assert integration.ATTENTION not in ALL_ATTENTION_FUNCTIONS
+
+    g4ops.enable(model)
+    g4ops.enable(eager)
+    assert model.config._attn_implementation == integration.ATTENTION
+    assert other.config._attn_implementation == "sdpa" and eager.config._attn_implementation == "eager"
+    g4ops.enable(other)
+    g4ops.disable(other)
+    assert other.config._attn_implementation == "sdpa" and model.config._attn_implementation == integration.ATTENTION
+    g4ops.disable()
+    assert model.config._attn_implementation == "sdpa"
+    assert integration.ATTENTION not in ALL_ATTENTION_FUNCTIONS
+    assert integration.ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS
