@@ -62,3 +62,13 @@ def test_fsdp2_smoke(tmp_path):
         assert "error" not in r, r
         assert r["losses_ok"] is True and r["tok_s_per_gpu"] > 0
     assert rows[("stock", "eager")]["first_loss_vs_1proc"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_attention_bench_smoke(tmp_path):
+    out = tmp_path / "attention.json"
+    proc = _run(["bench/attention.py", "--device", "cpu", "--smoke", "--json", str(out)], tmp_path)
+    assert "== timings" in proc.stdout
+    res = json.loads(out.read_text())
+    assert all(r["ok"] for r in res["correctness"]), res["correctness"]
+    impls = {(r["kind"], r["impl"]) for r in res["timings"] if r.get("fwd_bwd_ms", 0) > 0}
+    assert impls == {(kind, impl) for kind in ("full", "sliding") for impl in ("stock", "g4ops")}, res["timings"]
