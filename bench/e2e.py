@@ -361,6 +361,33 @@ def margin(logits_row) -> float:
     return float(top[0] - top[1])
 
 
+@torch.no_grad()
+def graph_greedy(model, prompt, n):
+    from g4ops.decode import GreedyDecoder
+
+    # EOS suppressed, as `greedy` does with min_new_tokens
+    decoder = GreedyDecoder(model, batch_size=1, max_length=prompt.shape[1] + n,
+                            suppress_tokens=model.generation_config.eos_token_id)
+    return decoder.generate(prompt, n)[0, prompt.shape[1]:]
+
+
+def graph_report(model, prompt, graph_tokens, stock_tokens, dtype) -> dict:
+    """GreedyDecoder vs stock: first divergence from stock's greedy tokens, and on the decoder's own sequence, how
+    often its token is stock's teacher-forced argmax and by how much stock prefers its own top-1 where not."""
+    p = prompt.shape[1]
+    logits = teacher_forced_logits(model, torch.cat([prompt[0], graph_tokens]).unsqueeze(0))[p - 1:-1]
+    eos = model.generation_config.eos_token_id
+    logits[:, torch.as_tensor(eos if isinstance(eos, (list, tuple)) else [eos], dtype=torch.long)] = -math.inf
+    chosen = logits.gather(-1, graph_tokens[:, None]).squeeze(-1)
+    diverge = (graph_tokens != stock_tokens).nonzero()
+    rep = dict(dtype=dtype, tokens=int(graph_tokens.numel()),
+               first_divergence_from_stock_greedy=int(diverge[0]) if diverge.numel() else None,
+               stock_teacher_forced_agreement=float((logits.argmax(-1) == graph_tokens).float().mean()),
+               max_stock_logit_shortfall=float((logits.max(-1).values - chosen).max()))
+    print(f"parity graph decoder {dtype}: {json.dumps(rep)}")
+    return rep
+
+
 def bench_parity(args, results):
     report = {}
     prompt = random_ids(args, 1, args.prompt_len, seed=args.seed + 7)
@@ -373,6 +400,8 @@ def bench_parity(args, results):
     with g4ops_on(True):
         ours_logits = teacher_forced_logits(model, seq)
         ours_tokens = greedy(model, prompt, args.parity_tokens)
+        graph_tokens = graph_greedy(model, prompt, args.parity_tokens)
+    report["graph_decoder"] = graph_report(model, prompt, graph_tokens, stock_tokens, args.dtype)
     eos = model.generation_config.eos_token_id
     del model
     free(args.device)
@@ -408,6 +437,8 @@ def bench_parity(args, results):
     stock32 = greedy(model, prompt, args.fp32_tokens)
     with g4ops_on(True):
         ours32 = greedy(model, prompt, args.fp32_tokens)
+        graph32 = graph_greedy(model, prompt, args.fp32_tokens)
+    report["graph_decoder_fp32"] = graph_report(model, prompt, graph32, stock32, "float32")
     del model
     free(args.device)
     diff = (stock32 != ours32).nonzero()

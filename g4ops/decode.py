@@ -106,10 +106,11 @@ class GreedyDecoder:
     `model`: a transformers Gemma4ForCausalLM (or Gemma4ForConditionalGeneration, text only). On CUDA the step is
     captured at the first `generate` (`cuda_graph=False` runs it eagerly, as on other devices). With
     `compile=True` the step is compiled by torch.compile first (fewer, fused kernels; costs compile time).
+    `suppress_tokens`: ids never chosen (as generate's `suppress_tokens`, or EOS under `min_new_tokens`).
     """
 
     def __init__(self, model, batch_size: int = 1, max_length: int = 2048, compile: bool = False,
-                 cuda_graph: bool | None = None, sync_every: int = 32):  # fmt: skip
+                 cuda_graph: bool | None = None, sync_every: int = 32, suppress_tokens=None):  # fmt: skip
         if batch_size < 1 or max_length < 2:
             raise ValueError(f"GreedyDecoder: batch_size must be >= 1 and max_length >= 2, got {batch_size}, "
                              f"{max_length}")  # fmt: skip
@@ -124,12 +125,16 @@ class GreedyDecoder:
         self.cache = GraphKVCache(model, batch_size, max_length, self.position)
         self.next_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
         self.out = torch.zeros(batch_size, max_length, dtype=torch.long, device=self.device)
+        self.suppress = torch.tensor(_as_list(suppress_tokens), dtype=torch.long, device=self.device)
         self.step_fn = torch.compile(self._step, fullgraph=True) if compile else self._step
         self.graph = None
 
     # -- the step -------------------------------------------------------------------------------------------------
     def _logits_to_next(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits[:, -1].float().argmax(dim=-1)  # as generate: fp32 copy of the last position, first maximum
+        last = logits[:, -1].float()  # as generate: fp32 copy of the last position, then the first maximum
+        if self.suppress.numel():
+            last = last.index_fill(-1, self.suppress, float("-inf"))
+        return last.argmax(dim=-1)
 
     def _step(self):
         """Decode the token in `next_ids` at `position`; leaves the next token in `next_ids` and in `out`."""

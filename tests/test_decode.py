@@ -114,3 +114,17 @@ def test_cuda_graph_replay_matches_eager_steps(dtype):
     assert torch.equal(out, ref)
     if dtype == torch.float32:
         _assert_stock_argmax(model, out, ids.shape[1])
+
+
+def test_suppress_tokens_like_generate():
+    from transformers import GenerationConfig
+
+    model = build_model("tiny-e2b")
+    ids = _prompt(model)
+    banned = sorted(set(_stock_generate(model, ids)[:, ids.shape[1] :].flatten().tolist()))[:3]
+    cfg = GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                           eos_token_id=1, suppress_tokens=banned)  # fmt: skip
+    with torch.no_grad():
+        ref = model.generate(ids, generation_config=cfg)
+    out = GreedyDecoder(model, batch_size=2, max_length=64, suppress_tokens=banned).generate(ids, NEW)
+    assert torch.equal(out, ref) and not torch.isin(out[:, ids.shape[1] :], torch.tensor(banned)).any()
