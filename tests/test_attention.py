@@ -361,8 +361,8 @@ def test_compiled_fullgraph_model_with_g4ops_attention(kernel_calls):
 
 
 def test_generate_dynamic_and_compiled_static_cache_match_stock(kernel_calls):
-    # Prefill through ours (the KV-shared layers get only the last query row, with keys beyond the window), decode
-    # through stock; generate's compiled static-cache decode keeps stock sdpa with its mask.
+    # Prefill through ours (in transformers >= 5.24 the KV-shared layers get only the last query row, with keys
+    # beyond the window), decode through stock; generate's compiled static-cache decode keeps stock sdpa and its mask.
     from g4ops.__main__ import _generate
 
     model = build_model("tiny-e4b")
@@ -370,7 +370,9 @@ def test_generate_dynamic_and_compiled_static_cache_match_stock(kernel_calls):
     stock, _ = _generate(model, prompt, new_tokens=5, compiled=False)
     with g4ops.enable(model):
         dynamic, _ = _generate(model, prompt, new_tokens=5, compiled=False)
-        assert ((1, 4, 1, 16), (1, 2, 21, 16), 8) in kernel_calls  # KV-shared sliding layer, one query row
+        assert kernel_calls
+        if hasattr(hf.Gemma4TextModel, "_maybe_slice_kv_shared_inputs"):  # transformers >= 5.24 slices prefill
+            assert ((1, 4, 1, 16), (1, 2, 21, 16), 8) in kernel_calls  # KV-shared sliding layer, one query row
         torch._dynamo.reset()
         static, _ = _generate(model, prompt, new_tokens=5, compiled=True)
     assert dynamic == stock and static == stock
