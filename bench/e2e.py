@@ -267,6 +267,9 @@ def train_variant(args, variant: str, seq: int, optimizer: str, ids: torch.Tenso
     try:
         with g4ops_on(use_g4ops):
             state["model"] = model = model_for(args).train()
+            if use_g4ops:
+                g4ops.enable(model)  # the model-scoped call also switches its attention to g4ops' implementation
+            row["attention"] = model.config._attn_implementation
             if variant == "liger":
                 apply, liger_undo, version = liger_patch()
                 apply(model)
