@@ -267,8 +267,8 @@ def train_variant(args, variant: str, seq: int, optimizer: str, ids: torch.Tenso
     try:
         with g4ops_on(use_g4ops):
             state["model"] = model = model_for(args).train()
-            if use_g4ops:
-                g4ops.enable(model)  # the model-scoped call also switches its attention to g4ops' implementation
+            if use_g4ops and args.g4ops_attention:
+                g4ops.enable(model, attention=True)  # also switch its attention to g4ops' implementation
             row["attention"] = model.config._attn_implementation
             if variant == "liger":
                 apply, liger_undo, version = liger_patch()
@@ -520,6 +520,8 @@ def parse_args(argv=None):
     ap.add_argument("--decode-variants", default="stock,g4ops,g4ops-graph,g4ops-graph-compile",
                     help=f"decode, any of {DECODE_VARIANTS} (one alone in a fresh process gives its own time from start)")
     ap.add_argument("--seqs", default="2048,8192", help="train sequence lengths (batch 1)")
+    ap.add_argument("--g4ops-attention", action="store_true",
+                    help="train: the g4ops variants also run g4ops attention (enable(model, attention=True))")
     ap.add_argument("--optimizers", default="none,adamw", help="train: none (fwd+bwd) and/or adamw")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=600, help="timed decode; > 512 crosses the window")

@@ -321,9 +321,10 @@ def g4ops_attention_forward(
         return stock(attention_mask)  # stock's mask (padding, cache), or stock's meaning of no mask
     if q_len == 1 and (sliding_window is None or kv_len <= sliding_window):
         return stock(None)  # a decode step that sees every key: stock's fast path, same result
-    if dropout != 0.0 or kwargs.get("output_attentions") or any(
+    if sliding_window is not None or dropout != 0.0 or kwargs.get("output_attentions") or any(
         kwargs.get(name) is not None for name in ("softcap", "position_bias")
     ):
+        # Sliding layers too: on the H200, cuDNN with the dense window mask beat ours 2x to 5x (2026-11-29).
         return stock(_pattern_mask(q_len, kv_len, sliding_window, query.device))
     out = attention(query, key, value, scale=scaling, window=sliding_window)
     return out.transpose(1, 2).contiguous(), None
@@ -374,9 +375,11 @@ def _maybe_build_kernels() -> None:
         ensure_cuda_kernels()
 
 
-def enable(model: nn.Module | None = None) -> _Patches:
+def enable(model: nn.Module | None = None, attention: bool = False) -> _Patches:
     """Patch every Gemma-4 norm/MLP (and the causal-LM loss) class, or only the modules of `model`; register the
-    "g4ops" attention implementation, and with `model`, switch its Gemma-4 text attention from "sdpa" to it.
+    "g4ops" attention implementation, and with `model` and `attention=True`, switch its Gemma-4 text attention from
+    "sdpa" to it. Opt-in, because on the H200 (2026-11-29) it beat stock only on the full-attention layers and
+    was up to 1.25x less accurate than stock's bf16 SDPA there (bench/results/2026-11-29-h200-attention.md).
 
     Idempotent; returns a handle that works as a context manager (`with g4ops.enable(): ...`) and undoes on exit
     only what this call changed."""
@@ -386,6 +389,9 @@ def enable(model: nn.Module | None = None) -> _Patches:
     registered = _register_attention()
     table = _patch_table()
     if model is None:
+        if attention:
+            raise ValueError("g4ops.enable(attention=True) needs the model whose attention to switch: enable(model, "
+                             "attention=True), or load it with attn_implementation=\"g4ops\"")
         patched = []
         for cls, make_forward in table.items():
             if cls not in _class_patches:
@@ -405,7 +411,7 @@ def enable(model: nn.Module | None = None) -> _Patches:
         module.forward = types.MethodType(table[cls](stock), module)
         _instance_patches.append(weakref.ref(module))
         patched_modules.append(module)
-    return _Patches([], patched_modules, _switch_attention(model, hf), registered)
+    return _Patches([], patched_modules, _switch_attention(model, hf) if attention else [], registered)
 
 
 def disable(model: nn.Module | None = None) -> None:
