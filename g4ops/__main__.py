@@ -83,6 +83,22 @@ def _generate(model, prompt, new_tokens: int, compiled: bool):
     return out[0, prompt.shape[1]:].tolist(), time.perf_counter() - start
 
 
+def _decode_graphed(model, prompt, new_tokens: int, compiled: bool):
+    """(tokens, first-run seconds incl. capture, steady seconds) of g4ops.decode.GreedyDecoder; EOS suppressed as
+    min_new_tokens does in `_generate`."""
+    from .decode import GreedyDecoder
+
+    decoder = GreedyDecoder(model, batch_size=prompt.shape[0], max_length=prompt.shape[1] + new_tokens,
+                            compile=compiled and prompt.is_cuda, suppress_tokens=model.config.eos_token_id)
+    times, outs = [], []
+    for _ in range(2):
+        start = time.perf_counter()
+        outs.append(decoder.generate(prompt, new_tokens)[0, prompt.shape[1]:].tolist())
+        times.append(time.perf_counter() - start)
+    assert outs[0] == outs[1], "g4ops decoder: greedy decode is not deterministic"
+    return outs[0], times[0], times[1]
+
+
 def demo(args) -> int:
     import g4ops
 
@@ -106,6 +122,8 @@ def demo(args) -> int:
             patches.__exit__(None, None, None)
         assert tokens_again == tokens, f"{name}: greedy decode is not deterministic"
         rows.append((name, tokens, first_s, steady_s))
+    with g4ops.enable():  # g4ops' own decode path: the whole step in one CUDA graph (run eagerly off CUDA)
+        rows.append(("g4ops decoder", *_decode_graphed(model, prompt, args.tokens, compiled=not args.no_compile)))
 
     reference = rows[0][1]
     print(f"\n{'variant':<16} {'first run s':>11} {'tok/s':>9}  same as stock  tokens")
