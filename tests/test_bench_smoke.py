@@ -72,3 +72,10 @@ def test_attention_bench_smoke(tmp_path):
     assert all(r["ok"] for r in res["correctness"]), res["correctness"]
     impls = {(r["kind"], r["impl"]) for r in res["timings"] if r.get("fwd_bwd_ms", 0) > 0}
     assert impls == {(kind, impl) for kind in ("full", "sliding") for impl in ("stock", "g4ops")}, res["timings"]
+
+
+def test_demo_without_compile_reports_parity(tmp_path):
+    # the README's main job, minus the compile variants (CI time): every variant, the GreedyDecoder included
+    proc = _run(["-m", "g4ops", "demo", "--no-compile", "--tokens", "12"], tmp_path)
+    assert "g4ops decoder" in proc.stdout
+    assert "PARITY: every variant produced the same greedy tokens as stock transformers" in proc.stdout
