@@ -28,8 +28,6 @@ from .models import FULL
 class GraphKVCache:
     """The KV cache of one decoder: per KV-owning layer, K and V buffers [B, kv_heads, slots, head_dim]."""
 
-    is_compileable = True
-
     def __init__(self, model, batch: int, max_length: int, position: torch.Tensor):
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         param = next(model.parameters())
