@@ -226,3 +226,94 @@ def _pad_after_eos(tokens: torch.Tensor, prompt_len: int, eos: torch.Tensor, pad
         last = int(is_eos.float().argmax(dim=1).max())  # the latest first-EOS over the rows
         tokens = tokens[:, : prompt_len + last + 1]
     return tokens
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Routing `model.generate(...)` here (installed by g4ops.enable()): only calls whose result this decoder reproduces
+# exactly go through it; everything else runs transformers' own generate untouched.
+
+ROUTED_DEVICES = ("cuda",)  # where the graph pays off; the tests add "cpu" to exercise the routing itself
+_STOCK_GENERATE = "_g4ops_stock_generate"  # attribute of the wrapper: the generate it wraps
+# How each GenerationConfig field of the merged config decides a call's routing (any field not named here must be
+# unset: None or the fresh default). Handled: the decoder reproduces it. Ignored: no effect on greedy search.
+_HANDLED_FIELDS = {
+    "max_new_tokens", "max_length", "min_new_tokens", "min_length", "eos_token_id", "pad_token_id", "bos_token_id",
+    "cache_implementation", "compile_config", "disable_compile", "suppress_tokens",
+}  # fmt: skip
+_IGNORED_FIELDS = {
+    "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "early_stopping",
+    "length_penalty", "diversity_penalty", "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "transformers_version",
+    "_from_model_config", "renormalize_logits",
+}  # fmt: skip
+_NEUTRAL_VALUES = {  # fields that must hold a value that changes nothing
+    "do_sample": (False,), "num_beams": (1,), "num_beam_groups": (1,), "num_return_sequences": (1,),
+    "use_cache": (True,), "repetition_penalty": (1.0,), "encoder_repetition_penalty": (1.0,),
+    "no_repeat_ngram_size": (0,), "encoder_no_repeat_ngram_size": (0,), "remove_invalid_values": (False,),
+    "return_dict_in_generate": (False,), "output_scores": (False,), "output_logits": (False,),
+    "output_attentions": (False,), "output_hidden_states": (False,),
+}  # fmt: skip
+_BUCKET = 256  # decoders are sized in multiples of this, so nearby lengths reuse one captured graph
+
+
+def make_generate(stock_generate):
+    """A `generate` that sends eligible greedy static-cache calls to a GreedyDecoder kept on the model."""
+
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        plan = _routable(self, inputs, generation_config, kwargs)
+        if plan is None:
+            return stock_generate(self, inputs, generation_config, **kwargs)
+        ids, new_tokens, suppress, eos, pad, compile_step = plan
+        max_length = -(-(ids.shape[1] + new_tokens) // _BUCKET) * _BUCKET
+        key = (ids.shape[0], max_length, compile_step, tuple(suppress))
+        decoder = vars(self).get("_g4ops_decoder")
+        if decoder is None or decoder[0] != key:  # one decoder per model, like stock's one static cache
+            decoder = (key, GreedyDecoder(self, batch_size=ids.shape[0], max_length=max_length,
+                                          compile=compile_step, suppress_tokens=suppress))  # fmt: skip
+            vars(self)["_g4ops_decoder"] = decoder
+        return decoder[1].generate(ids, new_tokens, eos_token_id=eos, pad_token_id=pad)
+
+    setattr(generate, _STOCK_GENERATE, stock_generate)
+    generate.__doc__ = stock_generate.__doc__
+    return generate
+
+
+def _routable(model, inputs, generation_config, kwargs):
+    """(input_ids, new tokens, suppressed ids, eos ids, pad id, compile) when the call is greedy search with a
+    static cache over unpadded prompts and nothing this decoder does not reproduce; else None."""
+    ids = inputs if inputs is not None else kwargs.get("input_ids")
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.dtype == torch.long and ids.numel()
+            and ids.device.type in ROUTED_DEVICES):  # fmt: skip
+        return None
+    extra = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask")}
+    if any(not hasattr(generation_config or model.generation_config, k) for k in extra):
+        return None  # a model input, streamer, logits processor, assistant, ...: not ours
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (mask.shape != ids.shape or not bool(mask.bool().all())):
+        return None  # padding
+    try:
+        config, model_kwargs = model._prepare_generation_config(generation_config, **extra)
+    except Exception:  # noqa: BLE001 - whatever stock would say about the call, let stock say it
+        return None
+    if model_kwargs or config.cache_implementation != "static":
+        return None
+    default = type(config)()
+    for name, value in config.to_dict().items():
+        if name in _HANDLED_FIELDS or name in _IGNORED_FIELDS or value is None:
+            continue
+        if name in _NEUTRAL_VALUES:
+            if value not in _NEUTRAL_VALUES[name]:
+                return None
+        elif value != getattr(default, name, None):
+            return None  # a logits processor, stopping criterion or output option the decoder does not have
+    prompt = ids.shape[1]
+    new = config.max_new_tokens if config.max_new_tokens is not None else (config.max_length or 0) - prompt
+    min_new = max(config.min_new_tokens or 0, (config.min_length or 0) - prompt)
+    eos = _as_list(config.eos_token_id)
+    if new < 1:
+        return None
+    if 0 < min_new < new and eos:
+        return None  # EOS allowed only after some steps: a step-dependent processor
+    suppress = sorted(set(_as_list(config.suppress_tokens)) | (set(eos) if min_new >= new else set()))
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+    return ids, new, suppress, eos, pad, not config.disable_compile

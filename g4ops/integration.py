@@ -14,9 +14,13 @@ This is the only module that knows transformers' Gemma-4 class names and quirks 
   O(L * window) on sliding layers, any head_dim) for training and prefill without padding, and stock SDPA with the
   mask stock would have built everywhere else (section "Attention" below).
 
-Only `forward` attributes are replaced (on the class, or on one model's module instances), plus the attention
-implementation name of the Gemma-4 text configs that `enable(model)` switches; classes are never swapped and no
-file of the install is touched. Each patch remembers the forward it replaced, and `disable()` puts
+- Decode: `Gemma4ForCausalLM.generate` is wrapped so that greedy, static-cache calls on CUDA that the decoder
+  reproduces exactly run `g4ops.decode.GreedyDecoder` (the whole step in one CUDA graph); every other call runs
+  stock generate untouched (`enable(..., decode=False)` leaves generate alone).
+
+Only `forward` and `generate` attributes are replaced (on the class, or on one model's module instances), plus the
+attention implementation name of the Gemma-4 text configs that `enable(model)` switches; classes are never swapped
+and no file of the install is touched. Each patch remembers the forward it replaced, and `disable()` puts
 those back. Before patching, a probe checks that the installed transformers computes what the ops compute, so a
 future change of semantics is refused loudly instead of producing a silently different model.
 """
@@ -30,6 +34,7 @@ import torch
 from torch import nn
 
 from . import ops
+from .decode import _STOCK_GENERATE, make_generate
 
 _HF_MODULE = "transformers.models.gemma4.modeling_gemma4"
 _GELU_TANH_NAMES = {"gelu_pytorch_tanh"}  # ACT2FN names whose function is gelu(x, approximate="tanh")
@@ -168,8 +173,10 @@ def _stock_forward_of(cls: type):
 class _Patches:
     """What one `enable()` call changed; a context manager that undoes exactly that on exit."""
 
-    def __init__(self, classes: list[type], modules: list[nn.Module], configs=(), registered: bool = False):
+    def __init__(self, classes: list[type], modules: list[nn.Module], configs=(), registered: bool = False,
+                 generate_classes=()):  # fmt: skip
         self.classes = classes
+        self.generate_classes = list(generate_classes)
         self.modules = [weakref.ref(m) for m in modules]
         self.configs = [weakref.ref(c) for c in configs]
         self.registered = registered
@@ -180,6 +187,8 @@ class _Patches:
     def __exit__(self, *exc):
         for cls in self.classes:
             _unpatch_class(cls)
+        for cls in self.generate_classes:
+            _unpatch_generate(cls)
         for ref in self.modules:
             module = ref()
             if module is not None:
@@ -193,6 +202,27 @@ class _Patches:
         return False
 
 
+_generate_patches: dict[type, object] = {}  # class -> its own `generate` attribute before ours (None: inherited)
+
+
+def _patch_generate(cls: type) -> bool:
+    if cls in _generate_patches:
+        return False
+    _generate_patches[cls] = vars(cls).get("generate")
+    cls.generate = make_generate(cls.generate)
+    return True
+
+
+def _unpatch_generate(cls: type) -> None:
+    if cls not in _generate_patches:
+        return
+    own = _generate_patches.pop(cls)
+    if own is None:
+        del cls.generate  # it was inherited from GenerationMixin
+    else:
+        cls.generate = own
+
+
 def _unpatch_class(cls: type) -> None:
     stock = _class_patches.pop(cls, None)
     if stock is not None:
@@ -203,6 +233,10 @@ def _unpatch_module(module: nn.Module) -> None:
     forward = vars(module).get("forward")
     if forward is not None and hasattr(getattr(forward, "__func__", None), _MARK):
         del module.forward
+    generate = vars(module).get("generate")
+    if generate is not None and hasattr(getattr(generate, "__func__", None), _STOCK_GENERATE):
+        del module.generate
+        vars(module).pop("_g4ops_decoder", None)
     _instance_patches[:] = [r for r in _instance_patches if r() is not None and r() is not module]
 
 
@@ -375,11 +409,13 @@ def _maybe_build_kernels() -> None:
         ensure_cuda_kernels()
 
 
-def enable(model: nn.Module | None = None, attention: bool = False) -> _Patches:
+def enable(model: nn.Module | None = None, attention: bool = False, decode: bool = True) -> _Patches:
     """Patch every Gemma-4 norm/MLP (and the causal-LM loss) class, or only the modules of `model`; register the
     "g4ops" attention implementation, and with `model` and `attention=True`, switch its Gemma-4 text attention from
     "sdpa" to it. Opt-in, because on the H200 (2026-11-29) it beat stock only on the full-attention layers and
     was up to 1.25x less accurate than stock's bf16 SDPA there (bench/results/2026-11-29-h200-attention.md).
+
+    `decode`: route eligible `generate()` calls of Gemma4ForCausalLM to g4ops.decode.GreedyDecoder (module docstring).
 
     Idempotent; returns a handle that works as a context manager (`with g4ops.enable(): ...`) and undoes on exit
     only what this call changed."""
@@ -398,8 +434,14 @@ def enable(model: nn.Module | None = None, attention: bool = False) -> _Patches:
                 _class_patches[cls] = cls.forward
                 cls.forward = make_forward(cls.forward)
                 patched.append(cls)
-        return _Patches(patched, [], registered=registered)
+        generate = [hf.Gemma4ForCausalLM] if decode and _patch_generate(hf.Gemma4ForCausalLM) else []
+        return _Patches(patched, [], registered=registered, generate_classes=generate)
     patched_modules = []
+    if (decode and isinstance(model, hf.Gemma4ForCausalLM) and "generate" not in vars(model)
+            and hf.Gemma4ForCausalLM not in _generate_patches):  # fmt: skip
+        model.generate = types.MethodType(make_generate(type(model).generate), model)
+        _instance_patches.append(weakref.ref(model))
+        patched_modules.append(model)
     for module in model.modules():
         # isinstance, not type equality: FSDP2's fully_shard turns a module's class into a generated subclass.
         cls = next((c for c in table if isinstance(module, c)), None)
@@ -411,6 +453,7 @@ def enable(model: nn.Module | None = None, attention: bool = False) -> _Patches:
         module.forward = types.MethodType(table[cls](stock), module)
         _instance_patches.append(weakref.ref(module))
         patched_modules.append(module)
+    patched_modules = list(dict.fromkeys(patched_modules))  # the model itself may have both patches
     return _Patches([], patched_modules, _switch_attention(model, hf) if attention else [], registered)
 
 
@@ -420,6 +463,8 @@ def disable(model: nn.Module | None = None) -> None:
     if model is None:
         for cls in list(_class_patches):
             _unpatch_class(cls)
+        for cls in list(_generate_patches):
+            _unpatch_generate(cls)
         for ref in list(_instance_patches):
             module = ref()
             if module is not None:

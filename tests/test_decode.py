@@ -128,3 +128,94 @@ def test_suppress_tokens_like_generate():
         ref = model.generate(ids, generation_config=cfg)
     out = GreedyDecoder(model, batch_size=2, max_length=64, suppress_tokens=banned).generate(ids, NEW)
     assert torch.equal(out, ref) and not torch.isin(out[:, ids.shape[1] :], torch.tensor(banned)).any()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# g4ops.enable() routes eligible generate() calls to the decoder (on CUDA; here "cpu" is added to exercise it)
+
+
+@pytest.fixture
+def route_cpu(monkeypatch):
+    import g4ops.decode as decode
+
+    monkeypatch.setattr(decode, "ROUTED_DEVICES", ("cuda", "cpu"))
+    yield
+    g4ops.disable()
+
+
+def _generate(model, ids, **kw):
+    kw = dict(dict(max_new_tokens=NEW, do_sample=False, cache_implementation="static", pad_token_id=0,
+                   eos_token_id=1, disable_compile=True), **kw)  # fmt: skip
+    with torch.no_grad():
+        return model.generate(ids, **kw)
+
+
+@pytest.mark.parametrize("how", ["class", "model"])
+@pytest.mark.parametrize("case", ["eos suppressed", "eos stops", "suppress_tokens"])
+def test_enable_routes_greedy_static_generate_to_the_decoder(route_cpu, how, case):
+    model = build_model("tiny-e2b")
+    ids = _prompt(model)
+    free = _generate(model, ids, min_new_tokens=NEW)
+    kw = {
+        "eos suppressed": dict(min_new_tokens=NEW),
+        "eos stops": dict(eos_token_id=int(free[1, ids.shape[1] + 4])),
+        "suppress_tokens": dict(min_new_tokens=NEW, suppress_tokens=free[0, ids.shape[1]:][:2].tolist()),
+    }[case]
+    ref = _generate(model, ids, **kw)
+    g4ops.enable() if how == "class" else g4ops.enable(model)
+    out = _generate(model, ids, attention_mask=torch.ones_like(ids), **kw)
+    assert "_g4ops_decoder" in vars(model), "the call was not routed"
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(do_sample=True, top_k=1),
+        dict(num_beams=2),
+        dict(cache_implementation=None),
+        dict(min_new_tokens=3),  # EOS allowed only after 3 tokens: step-dependent
+        dict(return_dict_in_generate=True, output_scores=True),
+        dict(repetition_penalty=1.3),
+        dict(streamer="streamer"),
+        dict(attention_mask="padded"),
+    ],
+    ids=lambda kw: ",".join(kw),
+)
+def test_other_generate_calls_run_stock(route_cpu, kw):
+    from transformers.generation.streamers import BaseStreamer
+
+    model = build_model("tiny-e2b")
+    ids = _prompt(model)
+    class Quiet(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    if kw.get("streamer"):
+        kw = dict(kw, streamer=Quiet())
+    if kw.get("attention_mask") == "padded":
+        mask = torch.ones_like(ids)
+        mask[0, 0] = 0
+        kw = dict(kw, attention_mask=mask)
+    g4ops.enable()
+    _generate(model, ids, **kw)
+    assert "_g4ops_decoder" not in vars(model)
+
+
+def test_disable_restores_generate(route_cpu):
+    from transformers.generation.utils import GenerationMixin
+
+    hf = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
+    model = build_model("tiny-e2b")
+    with g4ops.enable():
+        assert hf.Gemma4ForCausalLM.generate is not GenerationMixin.generate
+    assert hf.Gemma4ForCausalLM.generate is GenerationMixin.generate
+    g4ops.enable(model)
+    assert "generate" in vars(model)
+    g4ops.disable(model)
+    assert "generate" not in vars(model) and "_g4ops_decoder" not in vars(model)
+    g4ops.enable(model, decode=False)
+    assert "generate" not in vars(model)
