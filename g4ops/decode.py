@@ -16,7 +16,7 @@ KV-shared layers read their producer's buffers through transformers' `shared_kv_
 
 Exactness: the modules and dtypes are stock's, so the logits equal stock's up to the order in which attention sums
 over the cached keys (the ring is not in position order, and masked slots differ in number). The argmax is taken
-on the fp32 copy of the logits, as `generate` does. Prompts in a batch must have the same length (no padding).
+on the fp32 copy of the logits, as `generate` does. Prompts of different lengths come left-padded, as for stock.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class GraphKVCache:
         self.sliding_window = config.sliding_window
         self.window = min(self.sliding_window, max_length)
         self.position = position  # [1] int64, the position of the token being decoded (shared with the decoder)
+        self.pad = torch.zeros(batch, 1, dtype=torch.long, device=param.device)  # left-padding slots per row
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self._slots: dict[int, int] = {}
@@ -74,26 +75,27 @@ class GraphKVCache:
         values.index_copy_(2, torch.remainder(positions, slots), value_states[:, :, n - keep :])
         return key_states, value_states
 
-    def decode_masks(self, batch: int) -> dict[str, torch.Tensor]:
-        """{layer type: bool mask [B, 1, 1, slots]} for the token at `self.position` (already written)."""
+    def decode_masks(self) -> dict[str, torch.Tensor]:
+        """{layer type: bool mask [B, 1, 1, slots]} for the token at `self.position` (already written). Positions
+        count cache slots, left padding included, as transformers' static cache does; padding slots are masked."""
         p = self.position
         dev = p.device
-        full_pos = torch.arange(self.max_length, device=dev)
+        full_pos = torch.arange(self.max_length, device=dev)[None, :]
         ring = torch.arange(self.window, device=dev)
-        ring_pos = p - torch.remainder(p - ring, self.window)  # the position each ring slot holds
+        ring_pos = (p - torch.remainder(p - ring, self.window))[None, :]  # the position each ring slot holds
         return {
-            FULL: (full_pos <= p).view(1, 1, 1, -1).expand(batch, 1, 1, -1),
-            "sliding_attention": (ring_pos >= 0).view(1, 1, 1, -1).expand(batch, 1, 1, -1),
+            FULL: ((full_pos <= p) & (full_pos >= self.pad))[:, None, None, :],
+            "sliding_attention": (ring_pos >= self.pad)[:, None, None, :],
         }
 
-    def prefill_masks(self, batch: int, n: int, device) -> dict[str, torch.Tensor]:
-        q = torch.arange(n, device=device)[:, None]
-        k = torch.arange(n, device=device)[None, :]
-        causal = k <= q
-        return {
-            FULL: causal.view(1, 1, n, n).expand(batch, 1, n, n),
-            "sliding_attention": (causal & (k > q - self.sliding_window)).view(1, 1, n, n).expand(batch, 1, n, n),
-        }
+    def prefill_masks(self, n: int) -> dict[str, torch.Tensor]:
+        dev = self.pad.device
+        q = torch.arange(n, device=dev)[None, :, None]
+        k = torch.arange(n, device=dev)[None, None, :]
+        real_key = k >= self.pad[:, :, None]  # [B, 1, n]
+        # a padding query sees only itself: its output is never used, but it must stay finite (it becomes K/V)
+        causal = ((k <= q) & real_key) | ((k == q) & (q < self.pad[:, :, None]))
+        return {FULL: causal[:, None], "sliding_attention": (causal & (k > q - self.sliding_window))[:, None]}
 
 
 class GreedyDecoder:
@@ -137,9 +139,9 @@ class GreedyDecoder:
 
     def _step(self):
         """Decode the token in `next_ids` at `position`; leaves the next token in `next_ids` and in `out`."""
-        position_ids = self.position.view(1, 1).expand(self.batch, 1)
+        position_ids = self.position.view(1, 1) - self.cache.pad  # RoPE positions skip the left padding
         logits = self.model(
-            input_ids=self.next_ids, attention_mask=self.cache.decode_masks(self.batch), position_ids=position_ids,
+            input_ids=self.next_ids, attention_mask=self.cache.decode_masks(), position_ids=position_ids,
             past_key_values=self.cache, use_cache=True, logits_to_keep=1,
         ).logits  # fmt: skip
         nxt = self._logits_to_next(logits)
@@ -163,12 +165,24 @@ class GreedyDecoder:
 
     # -- generation -----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor) -> None:
-        """Run the prompt from position 0 and leave its greedy next token in `next_ids` (and `out`)."""
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Run the prompt from position 0 and leave its greedy next token in `next_ids` (and `out`).
+        `attention_mask` [B, prompt]: 0 marks left padding (as a tokenizer with padding_side="left" makes)."""
         b, n = input_ids.shape
-        position_ids = torch.arange(n, device=self.device)[None].expand(b, n)
+        pad = torch.zeros(b, dtype=torch.long, device=self.device)
+        if attention_mask is not None:
+            mask = attention_mask.to(self.device).bool()
+            pad = n - mask.sum(dim=1)
+            if attention_mask.shape != input_ids.shape or not torch.equal(
+                    mask, torch.arange(n, device=self.device)[None, :] >= pad[:, None]):  # fmt: skip
+                raise ValueError("GreedyDecoder: attention_mask must be [batch, prompt] with zeros only as left "
+                                 "padding (use padding_side='left')")  # fmt: skip
+            if bool((pad >= n).any()):
+                raise ValueError("GreedyDecoder: a prompt in the batch is all padding")
+        self.cache.pad.copy_(pad[:, None])
+        position_ids = (torch.arange(n, device=self.device)[None, :] - pad[:, None]).clamp(min=0)
         logits = self.model(
-            input_ids=input_ids, attention_mask=self.cache.prefill_masks(b, n, self.device), position_ids=position_ids,
+            input_ids=input_ids, attention_mask=self.cache.prefill_masks(n), position_ids=position_ids,
             past_key_values=self.cache, use_cache=True, logits_to_keep=1,
         ).logits  # fmt: skip
         nxt = self._logits_to_next(logits)
@@ -178,9 +192,11 @@ class GreedyDecoder:
         self.position.fill_(n)
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None, pad_token_id: int = 0):
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None, pad_token_id: int = 0,
+                 attention_mask: torch.Tensor | None = None):  # fmt: skip
         """-> [B, prompt + generated] token ids. Rows that produced an EOS are padded with `pad_token_id` after it,
-        and generation stops once every row has one, as `model.generate` does for greedy search."""
+        and generation stops once every row has one, as `model.generate` does for greedy search. Prompts of
+        different lengths come left-padded, with their `attention_mask`."""
         if input_ids.dim() != 2 or input_ids.shape[0] != self.batch:
             raise ValueError(f"GreedyDecoder: input_ids must be [batch={self.batch}, prompt], "
                              f"got {list(input_ids.shape)}")  # fmt: skip
@@ -192,7 +208,7 @@ class GreedyDecoder:
         eos = torch.tensor(sorted(set(_as_list(eos_token_id))), dtype=torch.long, device=self.device)
         if self.use_graph and self.graph is None:
             self._capture()
-        self.prefill(input_ids)
+        self.prefill(input_ids, attention_mask)
         run = self.graph.replay if self.graph is not None else self.step_fn
         done = 1
         while done < max_new_tokens:
@@ -263,7 +279,7 @@ def make_generate(stock_generate):
         plan = _routable(self, inputs, generation_config, kwargs)
         if plan is None:
             return stock_generate(self, inputs, generation_config, **kwargs)
-        ids, new_tokens, suppress, eos, pad, compile_step = plan
+        ids, mask, new_tokens, suppress, eos, pad, compile_step = plan
         max_length = -(-(ids.shape[1] + new_tokens) // _BUCKET) * _BUCKET
         key = (ids.shape[0], max_length, compile_step, tuple(suppress))
         decoder = vars(self).get("_g4ops_decoder")
@@ -271,7 +287,7 @@ def make_generate(stock_generate):
             decoder = (key, GreedyDecoder(self, batch_size=ids.shape[0], max_length=max_length,
                                           compile=compile_step, suppress_tokens=suppress))  # fmt: skip
             vars(self)["_g4ops_decoder"] = decoder
-        return decoder[1].generate(ids, new_tokens, eos_token_id=eos, pad_token_id=pad)
+        return decoder[1].generate(ids, new_tokens, eos_token_id=eos, pad_token_id=pad, attention_mask=mask)
 
     setattr(generate, _STOCK_GENERATE, stock_generate)
     generate.__doc__ = stock_generate.__doc__
@@ -279,8 +295,9 @@ def make_generate(stock_generate):
 
 
 def _routable(model, inputs, generation_config, kwargs):
-    """(input_ids, new tokens, suppressed ids, eos ids, pad id, compile) when the call is greedy search with a
-    static cache over unpadded prompts and nothing this decoder does not reproduce; else None."""
+    """(input_ids, attention_mask, new tokens, suppressed ids, eos ids, pad id, compile) when the call is greedy
+    search with a static cache over left-padded (or unpadded) prompts and nothing this decoder does not reproduce;
+    else None."""
     ids = inputs if inputs is not None else kwargs.get("input_ids")
     if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.dtype == torch.long and ids.numel()
             and ids.device.type in ROUTED_DEVICES):  # fmt: skip
@@ -289,8 +306,13 @@ def _routable(model, inputs, generation_config, kwargs):
     if any(not hasattr(generation_config or model.generation_config, k) for k in extra):
         return None  # a model input, streamer, logits processor, assistant, ...: not ours
     mask = kwargs.get("attention_mask")
-    if mask is not None and (mask.shape != ids.shape or not bool(mask.bool().all())):
-        return None  # padding
+    if mask is not None:
+        if mask.shape != ids.shape:
+            return None
+        pad = ids.shape[1] - mask.bool().sum(dim=1)
+        left = torch.arange(ids.shape[1], device=mask.device)[None, :] >= pad[:, None]
+        if not torch.equal(mask.bool(), left) or bool((pad >= ids.shape[1]).any()):
+            return None  # right or inner padding, or an empty prompt
     try:
         config, model_kwargs = model._prepare_generation_config(generation_config, **extra)
     except Exception:  # noqa: BLE001 - whatever stock would say about the call, let stock say it
@@ -316,4 +338,4 @@ def _routable(model, inputs, generation_config, kwargs):
         return None  # EOS allowed only after some steps: a step-dependent processor
     suppress = sorted(set(_as_list(config.suppress_tokens)) | (set(eos) if min_new >= new else set()))
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-    return ids, new, suppress, eos, pad, not config.disable_compile
+    return ids, mask, new, suppress, eos, pad, not config.disable_compile

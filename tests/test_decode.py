@@ -178,7 +178,7 @@ def test_enable_routes_greedy_static_generate_to_the_decoder(route_cpu, how, cas
         dict(return_dict_in_generate=True, output_scores=True),
         dict(repetition_penalty=1.3),
         dict(streamer="streamer"),
-        dict(attention_mask="padded"),
+        dict(attention_mask="right-padded"),
     ],
     ids=lambda kw: ",".join(kw),
 )
@@ -196,9 +196,9 @@ def test_other_generate_calls_run_stock(route_cpu, kw):
 
     if kw.get("streamer"):
         kw = dict(kw, streamer=Quiet())
-    if kw.get("attention_mask") == "padded":
+    if kw.get("attention_mask") == "right-padded":
         mask = torch.ones_like(ids)
-        mask[0, 0] = 0
+        mask[0, -1] = 0  # right padding: only left padding is the decoder's
         kw = dict(kw, attention_mask=mask)
     g4ops.enable()
     _generate(model, ids, **kw)
@@ -219,3 +219,33 @@ def test_disable_restores_generate(route_cpu):
     assert "generate" not in vars(model) and "_g4ops_decoder" not in vars(model)
     g4ops.enable(model, decode=False)
     assert "generate" not in vars(model)
+
+
+@pytest.mark.parametrize("shape", ["tiny-e4b", "tiny-e2b"])
+@pytest.mark.parametrize("routed", [False, True], ids=["decoder", "routed-generate"])
+def test_left_padded_batch_matches_stock_generate(route_cpu, shape, routed):
+    # rows of 9, 4 and 12 real tokens, left-padded to 12: the window of 8 is crossed with padding in the cache
+    model = build_model(shape)
+    ids = _prompt(model, batch=3, length=12)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[1, :8] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    ref = _generate(model, ids, attention_mask=mask, min_new_tokens=NEW)
+    if routed:
+        g4ops.enable()
+        out = _generate(model, ids, attention_mask=mask, min_new_tokens=NEW)
+        assert "_g4ops_decoder" in vars(model)
+    else:
+        out = GreedyDecoder(model, batch_size=3, max_length=64, suppress_tokens=[1]).generate(
+            ids, NEW, attention_mask=mask)
+    assert torch.equal(out, ref), (out != ref).nonzero()[:3]
+
+
+def test_bad_padding_is_refused():
+    model = build_model("tiny-e4b")
+    ids = _prompt(model)
+    mask = torch.ones_like(ids)
+    mask[0, 2] = 0  # inner padding
+    with pytest.raises(ValueError, match="left padding"):
+        GreedyDecoder(model, batch_size=2, max_length=64).generate(ids, 4, attention_mask=mask)
