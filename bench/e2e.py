@@ -6,7 +6,8 @@
 
 Parts (`--parts`, comma-separated; default all):
   decode  `model.generate(..., cache_implementation="static")` greedy, at each `--batches` size, stock vs g4ops
-          enabled; and g4ops' own decode path, `g4ops.decode.GreedyDecoder` (the whole step in one CUDA graph;
+          enabled (which routes the call to g4ops.decode.GreedyDecoder on CUDA; the row says whether it did, and
+          its "from start" time is the end of its warm-up call, an upper bound); and g4ops' own decode path, `g4ops.decode.GreedyDecoder` (the whole step in one CUDA graph;
           variants g4ops-graph and g4ops-graph-compile, the latter compiles the step before capturing it). transformers compiles the static-cache decode step by itself on CUDA. Two generates of
           `--decode-tokens` new tokens each (the default 600 crosses position 512, the sliding window; both calls
           have the same length so the static cache and the compiled step are reused): the first is the warm-up,
@@ -193,12 +194,17 @@ def bench_decode(args, results):
                             attention_mask=torch.ones_like(prompt), max_new_tokens=args.decode_tokens,
                             min_new_tokens=args.decode_tokens,
                         )
-                        clock = TokenClock()
+                        # A streamer makes g4ops' generate fall back to stock (it has no per-token host step), so
+                        # only stock's warm-up is timestamped per token.
+                        clock = TokenClock() if variant == "stock" else None
                         t = time.perf_counter()
                         with torch.no_grad():
                             model.generate(prompt, streamer=clock, **kw)  # warm-up: compiles, crosses the window
                         sync(args.device)
                         row["warmup_s"] = time.perf_counter() - t
+                        if clock is None:  # upper bound: the end of the warm-up call
+                            row["first_fast_token_since_process_start_s"] = time.perf_counter() - _T0
+                            row["routed_to_decoder"] = "_g4ops_decoder" in vars(model)
                         t = time.perf_counter()
                         with torch.no_grad():
                             state["out"] = out = model.generate(prompt, **kw)
@@ -207,7 +213,7 @@ def bench_decode(args, results):
                         new = out.shape[1] - prompt.shape[1]
                         row.update(seconds=dt, tok_s=batch * new / dt, final_position=int(out.shape[1]))
                         row["tokens_head"] = out[0, prompt.shape[1]:prompt.shape[1] + 16].tolist()
-                        idx = first_fast_token(clock.times, dt / new)
+                        idx = first_fast_token(clock.times, dt / new) if clock is not None else None
                         if idx is not None:
                             row["first_fast_token"] = idx
                             row["first_fast_token_since_generate_s"] = clock.times[idx] - clock.times[0]

@@ -3,6 +3,7 @@
 # benchmark. Logs and JSON go to $OUT (default ./gpu_out). Run from the repository root:
 #   bash bench/gpu_round.sh            # everything
 #   STAGES="build bench" bash bench/gpu_round.sh
+#   STAGES="e2e" E2E_ARGS="--parts decode --layers 42 --batches 1 --decode-variants stock,g4ops" bash bench/gpu_round.sh
 # Liger-Kernel, when carried as a wheel in .whl/, is installed into /tmp/site first (the GPU image lacks it).
 set -u
 OUT=${OUT:-$PWD/gpu_out}
@@ -51,5 +52,12 @@ if has bench; then
   bc=${PIPESTATUS[0]}
   echo "bench rc=$bc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/bench.log"
   [ "$bc" != 0 ] && rc=1
+fi
+if has e2e; then
+  t0=$(date +%s)
+  timeout "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log"
+  ec=${PIPESTATUS[0]}
+  echo "e2e rc=$ec in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/e2e.log"
+  [ "$ec" != 0 ] && rc=1
 fi
 exit $rc
