@@ -8,11 +8,12 @@ This is the only module that knows transformers' Gemma-4 class names and quirks 
   sharded as a DTensor or hooked by accelerate keeps the stock forward, so an adapter is never silently bypassed.
   The double-wide MLP of E2B's KV-shared layers is just a wider weight.
 
-- Attention: `enable()` registers a "g4ops" attention implementation with transformers' AttentionInterface and
-  AttentionMaskInterface (`from_pretrained(..., attn_implementation="g4ops")` then works), and `enable(model)`
-  switches that model's Gemma-4 text attention from "sdpa" to it. It runs `g4ops.attention` (exact, GEMM-chunked,
-  O(L * window) on sliding layers, any head_dim) for training and prefill without padding, and stock SDPA with the
-  mask stock would have built everywhere else (section "Attention" below).
+- Attention (opt-in): `enable()` registers a "g4ops" attention implementation with transformers' AttentionInterface
+  and AttentionMaskInterface (`from_pretrained(..., attn_implementation="g4ops")` then works), and
+  `enable(model, attention=True)` switches that model's Gemma-4 text attention from "sdpa" to it. It runs
+  `g4ops.attention` (exact, GEMM-chunked, any head_dim) on the full-attention layers for training and prefill without
+  padding, and stock SDPA with the mask stock would have built everywhere else, the sliding layers included
+  (section "Attention" below).
 
 - Decode: `Gemma4ForCausalLM.generate` is wrapped so that greedy, static-cache calls on CUDA that the decoder
   reproduces exactly run `g4ops.decode.GreedyDecoder` (the whole step in one CUDA graph); every other call runs
@@ -246,7 +247,8 @@ def _unpatch_module(module: nn.Module) -> None:
 # The mask function returns None exactly when the mask would be the plain causal or sliding-window pattern over
 # q_len == kv_len positions from 0 (no padding, no cache offset, no packed sequences, image blocks or bidirectional
 # layers: transformers forbids the is_causal skip for those), so the attention receives mask None plus its
-# `sliding_window` and runs g4ops.attention; everything else gets stock sdpa's mask and stock sdpa attention. A None
+# `sliding_window`; full layers then run g4ops.attention, sliding layers stock sdpa with the pattern as a dense mask
+# (cuDNN, faster there); everything else gets stock sdpa's mask and stock sdpa attention. A None
 # mask then always means "causal, queries bottom-right aligned". Stock sdpa may also skip its mask for a
 # static-cache prefill (L < S, top-left aligned); we never let it for L > 1, because transformers 5.24 slices the
 # queries of KV-shared layers to the last rows when the mask is None under any implementation not named "sdpa",
