@@ -129,7 +129,7 @@ def run_variant(args, rank, world, device, variant, mode, my_ids, ref):
             model = build(args, device).train()
             if mode == "compile":
                 # Each layer compiles its own graphs (they differ in layer_idx, type and KV sharing): dynamo's
-                # default recompile limit of 8 left most of 42 layers eager in the 2026-11-29 runs.
+                # default recompile limit of 8 left part of 42 layers eager in the 2026-11-29 runs.
                 limit = torch._dynamo.config.recompile_limit
                 torch._dynamo.config.recompile_limit = max(limit, 2 * len(model.model.layers))
             for layer in model.model.layers:
