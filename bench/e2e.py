@@ -5,25 +5,32 @@
     python bench/e2e.py --device cpu --shape tiny-e4b --smoke                # seconds; what CI runs
 
 Parts (`--parts`, comma-separated; default all):
-  decode  `model.generate(..., cache_implementation="static")` greedy, at each `--batches` size, stock vs g4ops
-          enabled (which routes the call to g4ops.decode.GreedyDecoder on CUDA; the row says whether it did, and
-          its "from start" time is the end of its warm-up call, an upper bound); and g4ops' own decode path, `g4ops.decode.GreedyDecoder` (the whole step in one CUDA graph;
-          variants g4ops-graph and g4ops-graph-compile, the latter compiles the step before capturing it). transformers compiles the static-cache decode step by itself on CUDA. Two generates of
-          `--decode-tokens` new tokens each (the default 600 crosses position 512, the sliding window; both calls
-          have the same length so the static cache and the compiled step are reused): the first is the warm-up,
-          timestamped per token; the second is timed. Reported: tok/s of the timed call (batch x new tokens /
-          seconds, prefill included); the warm-up's wall time (compilation included); the first fast token of the
-          warm-up (the first of 8 consecutive tokens each under 1.5x the timed per-token time) and the seconds from
-          process start to it (the first variant of the run also pays the imports and CUDA init).
+  decode  Greedy decode at each `--batches` size. Variants:
+          stock                 `model.generate(..., cache_implementation="static")`; transformers compiles the
+                                static-cache decode step by itself on CUDA
+          g4ops                 the same call with g4ops enabled, which routes it to g4ops.decode.GreedyDecoder on
+                                CUDA (the row says whether it did)
+          g4ops-graph[-compile] GreedyDecoder called directly, g4ops enabled (the whole step in one CUDA graph;
+                                -compile compiles the step before capturing it)
+          stock-graph[-compile] the same with stock modules: do g4ops' ops help inside the graph?
+          Each runs twice with `--decode-tokens` new tokens (the default 600 crosses position 512, the sliding
+          window; the same length both times, so caches and graphs are reused): the first is the warm-up, the second
+          is timed. Reported: tok/s of the timed call (batch x new tokens / seconds, prefill included); the warm-up's
+          wall time (compilation included); for stock, the first fast token of the warm-up (the first of 8
+          consecutive tokens each under 1.5x the timed per-token time, from a streamer's timestamps) and the seconds
+          from process start to it (the first variant of the run also pays the imports and CUDA init); for the
+          others, the end of the warm-up's capture or call (an upper bound: a streamer would make the routed
+          generate fall back to stock).
   train   full finetune step (fwd + bwd; and fwd + bwd + AdamW) at 1 x `--seqs` tokens, for each of `--variants`:
           stock (eager), stock-compile, liger (Liger-Kernel's `apply_liger_kernel_to_gemma4_text`, where
           importable), g4ops (eager, `g4ops.enable()`), g4ops-compile. Reported: tok/s (median step), peak memory
           (max_memory_allocated, params and grads included), the first loss (checked against stock eager's before
           any timing counts). A variant that runs out of memory is reported as OOM and the run goes on.
+          `--g4ops-attention`: the g4ops variants also run g4ops attention (`enable(model, attention=True)`).
   parity  bf16: stock greedy decode of `--parity-tokens`, then teacher-forced top-1 agreement of g4ops with stock
           over that sequence; g4ops' own greedy decode and its first divergence from stock, with the stock and
           g4ops top-1/top-2 logit margins there. fp32 (`--fp32-layers` layers): greedy tokens of g4ops identical to
-          stock's.
+          stock's. Both dtypes also check GreedyDecoder's tokens against stock (graph_decoder rows).
 
 On the lent GPU (10-minute calls), split the run; stock's static-cache compile alone takes about 200 s at 42 layers:
     python bench/e2e.py --parts train --seqs 2048 --json $OUT/e2e_train2k.json
@@ -61,7 +68,7 @@ import g4ops
 from g4ops.models import build_model, text_config
 
 VARIANTS = ("stock", "stock-compile", "liger", "g4ops", "g4ops-compile")
-DECODE_VARIANTS = ("stock", "g4ops", "g4ops-graph", "g4ops-graph-compile")
+DECODE_VARIANTS = ("stock", "g4ops", "g4ops-graph", "g4ops-graph-compile", "stock-graph", "stock-graph-compile")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -184,7 +191,7 @@ def bench_decode(args, results):
             try:
                 with g4ops_on(variant.startswith("g4ops")):
                     state["model"] = model = model_for(args)
-                    if variant.startswith("g4ops-graph"):
+                    if "-graph" in variant:
                         row.update(decode_graphed(args, model, prompt, variant.endswith("compile")))
                     else:
                         # Same max_new_tokens in both calls: the static cache (and so the compiled step) has one size.
