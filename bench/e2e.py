@@ -381,10 +381,9 @@ def margin(logits_row) -> float:
 def graph_greedy(model, prompt, n):
     from g4ops.decode import GreedyDecoder
 
-    # EOS suppressed, as `greedy` does with min_new_tokens
-    decoder = GreedyDecoder(model, batch_size=1, max_length=prompt.shape[1] + n,
-                            suppress_tokens=model.generation_config.eos_token_id)
-    return decoder.generate(prompt, n)[0, prompt.shape[1]:]
+    decoder = GreedyDecoder(model, batch_size=1, max_length=prompt.shape[1] + n)
+    out = decoder.generate(prompt, n, eos_token_id=model.generation_config.eos_token_id, min_new_tokens=n)
+    return out[0, prompt.shape[1]:]  # as `greedy`: min_new_tokens = n
 
 
 def graph_report(model, prompt, graph_tokens, stock_tokens, dtype) -> dict:

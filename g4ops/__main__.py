@@ -84,16 +84,18 @@ def _generate(model, prompt, new_tokens: int, compiled: bool):
 
 
 def _decode_graphed(model, prompt, new_tokens: int, compiled: bool):
-    """(tokens, first-run seconds incl. capture, steady seconds) of g4ops.decode.GreedyDecoder; EOS suppressed as
-    min_new_tokens does in `_generate`."""
+    """(tokens, first-run seconds incl. capture, steady seconds) of g4ops.decode.GreedyDecoder, with
+    min_new_tokens as in `_generate`."""
     from .decode import GreedyDecoder
 
     decoder = GreedyDecoder(model, batch_size=prompt.shape[0], max_length=prompt.shape[1] + new_tokens,
-                            compile=compiled and prompt.is_cuda, suppress_tokens=model.config.eos_token_id)
+                            compile=compiled and prompt.is_cuda)
     times, outs = [], []
     for _ in range(2):
         start = time.perf_counter()
-        outs.append(decoder.generate(prompt, new_tokens)[0, prompt.shape[1]:].tolist())
+        out = decoder.generate(prompt, new_tokens, eos_token_id=model.config.eos_token_id,
+                               pad_token_id=model.config.pad_token_id, min_new_tokens=new_tokens)
+        outs.append(out[0, prompt.shape[1]:].tolist())
         times.append(time.perf_counter() - start)
     assert outs[0] == outs[1], "g4ops decoder: greedy decode is not deterministic"
     return outs[0], times[0], times[1]

@@ -107,7 +107,8 @@ class GreedyDecoder:
     `model`: a transformers Gemma4ForCausalLM (or Gemma4ForConditionalGeneration, text only). On CUDA the step is
     captured at the first `generate` (`cuda_graph=False` runs it eagerly, as on other devices). With
     `compile=True` the step is compiled by torch.compile first (fewer, fused kernels; costs compile time).
-    `suppress_tokens`: ids never chosen (as generate's `suppress_tokens`, or EOS under `min_new_tokens`).
+    `suppress_tokens`: ids never chosen (as generate's `suppress_tokens`). `generate(..., min_new_tokens=k)` keeps
+    the EOS ids from being chosen for the first k new tokens, as generate's `min_new_tokens` does.
     """
 
     def __init__(self, model, batch_size: int = 1, max_length: int = 2048, compile: bool = False,
@@ -127,15 +128,21 @@ class GreedyDecoder:
         self.next_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
         self.out = torch.zeros(batch_size, max_length, dtype=torch.long, device=self.device)
         self.suppress = torch.tensor(_as_list(suppress_tokens), dtype=torch.long, device=self.device)
+        # per call, read by the captured step: EOS ids (padded by repetition) and how long they stay suppressed
+        self.hold_ids = torch.zeros(_MAX_EOS_IDS, dtype=torch.long, device=self.device)
+        self.hold_until = torch.zeros(1, dtype=torch.long, device=self.device)  # in new tokens
+        self.prompt_len = torch.zeros(1, dtype=torch.long, device=self.device)
         self.step_fn = torch.compile(self._step, fullgraph=True) if compile else self._step
         self.graph = None
 
     # -- the step -------------------------------------------------------------------------------------------------
-    def _logits_to_next(self, logits: torch.Tensor) -> torch.Tensor:
+    def _logits_to_next(self, logits: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
+        """`generated`: new tokens before this one ([1] device tensor)."""
         last = logits[:, -1].float()  # as generate: fp32 copy of the last position, then the first maximum
         if self.suppress.numel():
             last = last.index_fill(-1, self.suppress, float("-inf"))
-        return last.argmax(dim=-1)
+        held = last.index_fill(-1, self.hold_ids, float("-inf"))
+        return torch.where(generated < self.hold_until, held, last).argmax(dim=-1)
 
     def _step(self):
         """Decode the token in `next_ids` at `position`; leaves the next token in `next_ids` and in `out`."""
@@ -144,7 +151,7 @@ class GreedyDecoder:
             input_ids=self.next_ids, attention_mask=self.cache.decode_masks(), position_ids=position_ids,
             past_key_values=self.cache, use_cache=True, logits_to_keep=1,
         ).logits  # fmt: skip
-        nxt = self._logits_to_next(logits)
+        nxt = self._logits_to_next(logits, self.position + 1 - self.prompt_len)
         self.position.add_(1)
         self.out.index_copy_(1, self.position, nxt[:, None])
         self.next_ids.copy_(nxt[:, None])
@@ -185,15 +192,16 @@ class GreedyDecoder:
             input_ids=input_ids, attention_mask=self.cache.prefill_masks(n), position_ids=position_ids,
             past_key_values=self.cache, use_cache=True, logits_to_keep=1,
         ).logits  # fmt: skip
-        nxt = self._logits_to_next(logits)
+        nxt = self._logits_to_next(logits, torch.zeros_like(self.prompt_len))
         self.out[:, :n] = input_ids
         self.out[:, n] = nxt
         self.next_ids.copy_(nxt[:, None])
         self.position.fill_(n)
+        self.prompt_len.fill_(n)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None, pad_token_id: int = 0,
-                 attention_mask: torch.Tensor | None = None):  # fmt: skip
+                 attention_mask: torch.Tensor | None = None, min_new_tokens: int = 0):  # fmt: skip
         """-> [B, prompt + generated] token ids. Rows that produced an EOS are padded with `pad_token_id` after it,
         and generation stops once every row has one, as `model.generate` does for greedy search. Prompts of
         different lengths come left-padded, with their `attention_mask`."""
@@ -205,7 +213,13 @@ class GreedyDecoder:
             raise ValueError(f"GreedyDecoder: prompt {n} + {max_new_tokens} new tokens must fit max_length "
                              f"{self.max_length} (and both be >= 1)")  # fmt: skip
         input_ids = input_ids.to(self.device)
-        eos = torch.tensor(sorted(set(_as_list(eos_token_id))), dtype=torch.long, device=self.device)
+        eos_ids = sorted(set(_as_list(eos_token_id)))
+        if len(eos_ids) > _MAX_EOS_IDS:
+            raise ValueError(f"GreedyDecoder: at most {_MAX_EOS_IDS} EOS ids, got {len(eos_ids)}")
+        eos = torch.tensor(eos_ids, dtype=torch.long, device=self.device)
+        if eos_ids:
+            self.hold_ids.copy_(torch.tensor([eos_ids[i % len(eos_ids)] for i in range(_MAX_EOS_IDS)]))
+        self.hold_until.fill_(min_new_tokens if eos_ids else 0)
         if self.use_graph and self.graph is None:
             self._capture()
         self.prefill(input_ids, attention_mask)
@@ -219,6 +233,9 @@ class GreedyDecoder:
             if eos.numel() and bool(torch.isin(self.out[:, n : n + done], eos).any(dim=1).all()):
                 break
         return _pad_after_eos(self.out[:, : n + done].clone(), n, eos, pad_token_id)
+
+
+_MAX_EOS_IDS = 8  # the EOS ids min_new_tokens holds back live in a fixed-size buffer (the graph's shapes are fixed)
 
 
 def _as_list(eos_token_id) -> list[int]:
@@ -279,7 +296,7 @@ def make_generate(stock_generate):
         plan = _routable(self, inputs, generation_config, kwargs)
         if plan is None:
             return stock_generate(self, inputs, generation_config, **kwargs)
-        ids, mask, new_tokens, suppress, eos, pad, compile_step = plan
+        ids, mask, new_tokens, min_new, suppress, eos, pad, compile_step = plan
         max_length = -(-(ids.shape[1] + new_tokens) // _BUCKET) * _BUCKET
         key = (ids.shape[0], max_length, compile_step, tuple(suppress))
         decoder = vars(self).get("_g4ops_decoder")
@@ -287,7 +304,8 @@ def make_generate(stock_generate):
             decoder = (key, GreedyDecoder(self, batch_size=ids.shape[0], max_length=max_length,
                                           compile=compile_step, suppress_tokens=suppress))  # fmt: skip
             vars(self)["_g4ops_decoder"] = decoder
-        return decoder[1].generate(ids, new_tokens, eos_token_id=eos, pad_token_id=pad, attention_mask=mask)
+        return decoder[1].generate(ids, new_tokens, eos_token_id=eos, pad_token_id=pad, attention_mask=mask,
+                                   min_new_tokens=min_new)
 
     setattr(generate, _STOCK_GENERATE, stock_generate)
     generate.__doc__ = stock_generate.__doc__
@@ -295,9 +313,9 @@ def make_generate(stock_generate):
 
 
 def _routable(model, inputs, generation_config, kwargs):
-    """(input_ids, attention_mask, new tokens, suppressed ids, eos ids, pad id, compile) when the call is greedy
-    search with a static cache over left-padded (or unpadded) prompts and nothing this decoder does not reproduce;
-    else None."""
+    """(input_ids, attention_mask, new tokens, min new tokens, suppressed ids, eos ids, pad id, compile) when the
+    call is greedy search with a static cache over left-padded (or unpadded) prompts and nothing this decoder does
+    not reproduce; else None."""
     ids = inputs if inputs is not None else kwargs.get("input_ids")
     if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.dtype == torch.long and ids.numel()
             and ids.device.type in ROUTED_DEVICES):  # fmt: skip
@@ -334,8 +352,8 @@ def _routable(model, inputs, generation_config, kwargs):
     eos = _as_list(config.eos_token_id)
     if new < 1:
         return None
-    if 0 < min_new < new and eos:
-        return None  # EOS allowed only after some steps: a step-dependent processor
-    suppress = sorted(set(_as_list(config.suppress_tokens)) | (set(eos) if min_new >= new else set()))
+    if len(set(eos)) > _MAX_EOS_IDS:
+        return None
+    suppress = sorted(set(_as_list(config.suppress_tokens)))
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-    return ids, mask, new, suppress, eos, pad, not config.disable_compile
+    return ids, mask, new, min_new, suppress, eos, pad, not config.disable_compile

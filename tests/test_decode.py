@@ -151,7 +151,7 @@ def _generate(model, ids, **kw):
 
 
 @pytest.mark.parametrize("how", ["class", "model"])
-@pytest.mark.parametrize("case", ["eos suppressed", "eos stops", "suppress_tokens"])
+@pytest.mark.parametrize("case", ["eos suppressed", "eos stops", "suppress_tokens", "min_new_tokens"])
 def test_enable_routes_greedy_static_generate_to_the_decoder(route_cpu, how, case):
     model = build_model("tiny-e2b")
     ids = _prompt(model)
@@ -160,6 +160,8 @@ def test_enable_routes_greedy_static_generate_to_the_decoder(route_cpu, how, cas
         "eos suppressed": dict(min_new_tokens=NEW),
         "eos stops": dict(eos_token_id=int(free[1, ids.shape[1] + 4])),
         "suppress_tokens": dict(min_new_tokens=NEW, suppress_tokens=free[0, ids.shape[1]:][:2].tolist()),
+        # an EOS that a row emits at its 2nd new token, held back for the first 6
+        "min_new_tokens": dict(min_new_tokens=6, eos_token_id=int(free[0, ids.shape[1] + 1])),
     }[case]
     ref = _generate(model, ids, **kw)
     g4ops.enable() if how == "class" else g4ops.enable(model)
@@ -174,7 +176,6 @@ def test_enable_routes_greedy_static_generate_to_the_decoder(route_cpu, how, cas
         dict(do_sample=True, top_k=1),
         dict(num_beams=2),
         dict(cache_implementation=None),
-        dict(min_new_tokens=3),  # EOS allowed only after 3 tokens: step-dependent
         dict(return_dict_in_generate=True, output_scores=True),
         dict(repetition_penalty=1.3),
         dict(streamer="streamer"),
