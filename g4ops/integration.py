@@ -15,9 +15,9 @@ This is the only module that knows transformers' Gemma-4 class names and quirks 
   padding, and stock SDPA with the mask stock would have built everywhere else, the sliding layers included
   (section "Attention" below).
 
-- Decode: `Gemma4ForCausalLM.generate` is wrapped so that greedy, static-cache calls on CUDA that the decoder
-  reproduces exactly run `g4ops.decode.GreedyDecoder` (the whole step in one CUDA graph); every other call runs
-  stock generate untouched (`enable(..., decode=False)` leaves generate alone).
+- Decode: `Gemma4ForCausalLM.generate` (and the multimodal class's, for text-only calls) is wrapped so that greedy,
+  static-cache calls on CUDA that the decoder reproduces exactly run `g4ops.decode.GreedyDecoder` (the whole step in
+  one CUDA graph); every other call runs stock generate untouched (`enable(..., decode=False)` leaves it alone).
 
 Only `forward` and `generate` attributes are replaced (on the class, or on one model's module instances), plus the
 attention implementation name of the Gemma-4 text configs that `enable(model)` switches; classes are never swapped
@@ -204,6 +204,12 @@ class _Patches:
 
 
 _generate_patches: dict[type, object] = {}  # class -> its own `generate` attribute before ours (None: inherited)
+
+
+def _generate_classes(hf) -> list[type]:
+    """The causal LMs whose generate is routed (ForConditionalGeneration: text-only calls; any image or audio input
+    is an extra argument, which keeps the call on stock generate)."""
+    return [getattr(hf, n) for n in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration") if hasattr(hf, n)]
 
 
 def _patch_generate(cls: type) -> bool:
@@ -436,11 +442,11 @@ def enable(model: nn.Module | None = None, attention: bool = False, decode: bool
                 _class_patches[cls] = cls.forward
                 cls.forward = make_forward(cls.forward)
                 patched.append(cls)
-        generate = [hf.Gemma4ForCausalLM] if decode and _patch_generate(hf.Gemma4ForCausalLM) else []
+        generate = [cls for cls in _generate_classes(hf) if decode and _patch_generate(cls)]
         return _Patches(patched, [], registered=registered, generate_classes=generate)
     patched_modules = []
-    if (decode and isinstance(model, hf.Gemma4ForCausalLM) and "generate" not in vars(model)
-            and hf.Gemma4ForCausalLM not in _generate_patches):  # fmt: skip
+    if (decode and isinstance(model, tuple(_generate_classes(hf))) and "generate" not in vars(model)
+            and not any(isinstance(model, cls) for cls in _generate_patches)):  # fmt: skip
         model.generate = types.MethodType(make_generate(type(model).generate), model)
         _instance_patches.append(weakref.ref(model))
         patched_modules.append(model)

@@ -211,9 +211,11 @@ def test_disable_restores_generate(route_cpu):
 
     hf = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
     model = build_model("tiny-e2b")
+    classes = (hf.Gemma4ForCausalLM, hf.Gemma4ForConditionalGeneration)
+    before = [(c.generate, "generate" in vars(c)) for c in classes]
     with g4ops.enable():
-        assert hf.Gemma4ForCausalLM.generate is not GenerationMixin.generate
-    assert hf.Gemma4ForCausalLM.generate is GenerationMixin.generate
+        assert all(c.generate is not GenerationMixin.generate for c in classes)
+    assert [(c.generate, "generate" in vars(c)) for c in classes] == before
     g4ops.enable(model)
     assert "generate" in vars(model)
     g4ops.disable(model)
@@ -250,3 +252,22 @@ def test_bad_padding_is_refused():
     mask[0, 2] = 0  # inner padding
     with pytest.raises(ValueError, match="left padding"):
         GreedyDecoder(model, batch_size=2, max_length=64).generate(ids, 4, attention_mask=mask)
+
+
+def test_multimodal_class_text_only_matches_stock_generate(route_cpu):
+    # AutoModelForCausalLM loads the released checkpoints as Gemma4ForConditionalGeneration
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from g4ops.models import randomize_norms_and_scalars, text_config
+
+    torch.manual_seed(0)
+    cfg = Gemma4Config(text_config=text_config("tiny-e4b").to_dict(), vision_config=None, audio_config=None)
+    model = Gemma4ForConditionalGeneration(cfg).eval()
+    randomize_norms_and_scalars(model)
+    ids = torch.randint(3, cfg.get_text_config().vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    ref = _generate(model, ids, min_new_tokens=NEW)
+    out = GreedyDecoder(model, batch_size=2, max_length=48).generate(ids, NEW, eos_token_id=1, min_new_tokens=NEW)
+    assert torch.equal(out, ref)
+    g4ops.enable()
+    routed = _generate(model, ids, min_new_tokens=NEW)
+    assert "_g4ops_decoder" in vars(model) and torch.equal(routed, ref)
