@@ -38,26 +38,22 @@ if has build; then
   if [ "$brc" != 0 ]; then echo "BUILD FAILED"; tail -60 "$OUT/build.log"; exit 1; fi
 fi
 
-if has test; then
+# stage NAME TIMEOUT CMD...: run CMD under a timeout, log to $OUT/NAME.log, remember a failure in rc
+stage() {
+  local name=$1 limit=$2 t0 code
+  shift 2
   t0=$(date +%s)
-  timeout "$TEST_TIMEOUT" $PY -m pytest -m cuda ${PYTEST_ARGS:--x} -q -p no:cacheprovider tests/ 2>&1 | tee "$OUT/tests.log"
-  trc=${PIPESTATUS[0]}
-  echo "tests rc=$trc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tests.log"
-  [ "$trc" != 0 ] && rc=1
-fi
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  code=${PIPESTATUS[0]}
+  echo "$name rc=$code in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/$name.log"
+  [ "$code" != 0 ] && rc=1
+  return 0
+}
 
-if has bench; then
-  t0=$(date +%s)
-  timeout "$BENCH_TIMEOUT" $PY bench/kernels.py --json "$OUT/kernels.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
-  bc=${PIPESTATUS[0]}
-  echo "bench rc=$bc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/bench.log"
-  [ "$bc" != 0 ] && rc=1
-fi
-if has e2e; then
-  t0=$(date +%s)
-  timeout "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log"
-  ec=${PIPESTATUS[0]}
-  echo "e2e rc=$ec in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/e2e.log"
-  [ "$ec" != 0 ] && rc=1
-fi
+# shellcheck disable=SC2086  # the *_ARGS variables are word lists on purpose
+has test && stage tests "$TEST_TIMEOUT" $PY -m pytest -m cuda ${PYTEST_ARGS:--x} -q -p no:cacheprovider tests/
+# shellcheck disable=SC2086
+has bench && stage bench "$BENCH_TIMEOUT" $PY bench/kernels.py --json "$OUT/kernels.json" ${BENCH_ARGS:-}
+# shellcheck disable=SC2086
+has e2e && stage e2e "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-}
 exit $rc
