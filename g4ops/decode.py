@@ -21,6 +21,8 @@ on the fp32 copy of the logits, as `generate` does. Prompts of different lengths
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .models import FULL
@@ -287,6 +289,14 @@ _NEUTRAL_VALUES = {  # fields that must hold a value that changes nothing
     "output_attentions": (False,), "output_hidden_states": (False,),
 }  # fmt: skip
 _BUCKET = 256  # decoders are sized in multiples of this, so nearby lengths reuse one captured graph
+_models_with_decoder: weakref.WeakSet = weakref.WeakSet()
+
+
+def release_decoders() -> None:
+    """Drop the decoders (KV cache, captured graph) that routed generate calls left on models."""
+    for model in list(_models_with_decoder):
+        vars(model).pop("_g4ops_decoder", None)
+    _models_with_decoder.clear()
 
 
 def make_generate(stock_generate):
@@ -304,6 +314,7 @@ def make_generate(stock_generate):
             decoder = (key, GreedyDecoder(self, batch_size=ids.shape[0], max_length=max_length,
                                           compile=compile_step, suppress_tokens=suppress))  # fmt: skip
             vars(self)["_g4ops_decoder"] = decoder
+            _models_with_decoder.add(self)
         return decoder[1].generate(ids, new_tokens, eos_token_id=eos, pad_token_id=pad, attention_mask=mask,
                                    min_new_tokens=min_new)
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .decode import _STOCK_GENERATE, make_generate
+from .decode import _STOCK_GENERATE, make_generate, release_decoders
 
 _HF_MODULE = "transformers.models.gemma4.modeling_gemma4"
 _GELU_TANH_NAMES = {"gelu_pytorch_tanh"}  # ACT2FN names whose function is gelu(x, approximate="tanh")
@@ -190,6 +190,8 @@ class _Patches:
             _unpatch_class(cls)
         for cls in self.generate_classes:
             _unpatch_generate(cls)
+        if self.generate_classes:
+            release_decoders()
         for ref in self.modules:
             module = ref()
             if module is not None:
@@ -473,6 +475,7 @@ def disable(model: nn.Module | None = None) -> None:
             _unpatch_class(cls)
         for cls in list(_generate_patches):
             _unpatch_generate(cls)
+        release_decoders()
         for ref in list(_instance_patches):
             module = ref()
             if module is not None:

@@ -215,7 +215,10 @@ def test_disable_restores_generate(route_cpu):
     before = [(c.generate, "generate" in vars(c)) for c in classes]
     with g4ops.enable():
         assert all(c.generate is not GenerationMixin.generate for c in classes)
+        _generate(model, _prompt(model), max_new_tokens=4)
+        assert "_g4ops_decoder" in vars(model)
     assert [(c.generate, "generate" in vars(c)) for c in classes] == before
+    assert "_g4ops_decoder" not in vars(model)  # the decoder's KV cache and graph are let go
     g4ops.enable(model)
     assert "generate" in vars(model)
     g4ops.disable(model)
@@ -271,3 +274,24 @@ def test_multimodal_class_text_only_matches_stock_generate(route_cpu):
     g4ops.enable()
     routed = _generate(model, ids, min_new_tokens=NEW)
     assert "_g4ops_decoder" in vars(model) and torch.equal(routed, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_routed_generate_left_padded_matches_stock():
+    # the user's path on a GPU: enable(), then generate(cache_implementation="static") with a left-padded batch
+    model = build_model("tiny-e2b", device="cuda")
+    ids = _prompt(model, batch=3, length=12).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[1, :8] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    ref = _generate(model, ids, attention_mask=mask, min_new_tokens=NEW)  # stock, eager static cache
+    with g4ops.enable():
+        out = _generate(model, ids, attention_mask=mask, min_new_tokens=NEW)
+        decoder = vars(model)["_g4ops_decoder"][1]
+        assert decoder.graph is not None  # routed and replayed as a CUDA graph
+        eager = GreedyDecoder(model, batch_size=3, max_length=64, cuda_graph=False).generate(
+            ids, NEW, eos_token_id=1, attention_mask=mask, min_new_tokens=NEW)
+    assert torch.equal(out, eager)
+    assert torch.equal(out, ref)
