@@ -377,6 +377,11 @@ def margin(logits_row) -> float:
     return float(top[0] - top[1])
 
 
+def suppress_eos(logits: torch.Tensor, eos) -> None:
+    """What greedy's min_new_tokens does to the EOS logits, so teacher-forced argmaxes are judged alike."""
+    logits[:, torch.as_tensor(eos if isinstance(eos, (list, tuple)) else [eos], dtype=torch.long)] = -math.inf
+
+
 @torch.no_grad()
 def graph_greedy(model, prompt, n):
     from g4ops.decode import GreedyDecoder
@@ -391,8 +396,7 @@ def graph_report(model, prompt, graph_tokens, stock_tokens, dtype) -> dict:
     often its token is stock's teacher-forced argmax and by how much stock prefers its own top-1 where not."""
     p = prompt.shape[1]
     logits = teacher_forced_logits(model, torch.cat([prompt[0], graph_tokens]).unsqueeze(0))[p - 1:-1]
-    eos = model.generation_config.eos_token_id
-    logits[:, torch.as_tensor(eos if isinstance(eos, (list, tuple)) else [eos], dtype=torch.long)] = -math.inf
+    suppress_eos(logits, model.generation_config.eos_token_id)
     chosen = logits.gather(-1, graph_tokens[:, None]).squeeze(-1)
     diverge = (graph_tokens != stock_tokens).nonzero()
     rep = dict(dtype=dtype, tokens=int(graph_tokens.numel()),
@@ -424,7 +428,7 @@ def bench_parity(args, results):
     # greedy ran with min_new_tokens (EOS suppressed, so random weights do not stop early): judge the teacher-forced
     # logits the same way
     for logits in (stock_logits, ours_logits):
-        logits[:, torch.as_tensor(eos if isinstance(eos, (list, tuple)) else [eos], dtype=torch.long)] = -math.inf
+        suppress_eos(logits, eos)
     # positions p-1 .. end-1 predict the generated tokens
     s_top = stock_logits[p - 1:-1].argmax(-1)
     o_top = ours_logits[p - 1:-1].argmax(-1)

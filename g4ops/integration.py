@@ -108,10 +108,8 @@ def _patch_table() -> dict[type, callable]:
     from .hf_loss import make_causal_lm_forward  # imports this module: loaded on first use
 
     table = {hf.Gemma4RMSNorm: _make_norm_forward, hf.Gemma4TextMLP: _make_mlp_forward}
-    # ForConditionalGeneration is what AutoModelForCausalLM loads for the released E2B/E4B checkpoints.
-    for name in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"):
-        if hasattr(hf, name):
-            table[getattr(hf, name)] = make_causal_lm_forward
+    for cls in _causal_lm_classes(hf):
+        table[cls] = make_causal_lm_forward
     return table
 
 
@@ -208,8 +206,9 @@ class _Patches:
 _generate_patches: dict[type, object] = {}  # class -> its own `generate` attribute before ours (None: inherited)
 
 
-def _generate_classes(hf) -> list[type]:
-    """The causal LMs whose generate is routed (ForConditionalGeneration: text-only calls; any image or audio input
+def _causal_lm_classes(hf) -> list[type]:
+    """The causal LMs: their forward gets the fused loss, their generate the decode routing (ForConditionalGeneration,
+    what AutoModelForCausalLM loads for the released checkpoints: text-only generate calls; an image or audio input
     is an extra argument, which keeps the call on stock generate)."""
     return [getattr(hf, n) for n in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration") if hasattr(hf, n)]
 
@@ -444,10 +443,10 @@ def enable(model: nn.Module | None = None, attention: bool = False, decode: bool
                 _class_patches[cls] = cls.forward
                 cls.forward = make_forward(cls.forward)
                 patched.append(cls)
-        generate = [cls for cls in _generate_classes(hf) if decode and _patch_generate(cls)]
+        generate = [cls for cls in _causal_lm_classes(hf) if decode and _patch_generate(cls)]
         return _Patches(patched, [], registered=registered, generate_classes=generate)
     patched_modules = []
-    if (decode and isinstance(model, tuple(_generate_classes(hf))) and "generate" not in vars(model)
+    if (decode and isinstance(model, tuple(_causal_lm_classes(hf))) and "generate" not in vars(model)
             and not any(isinstance(model, cls) for cls in _generate_patches)):  # fmt: skip
         model.generate = types.MethodType(make_generate(type(model).generate), model)
         _instance_patches.append(weakref.ref(model))
