@@ -9,7 +9,10 @@ O(L * window), and the GEMMs run on cuBLAS at any head_dim.
 
 Measured on the H200 (bench/results/2026-11-29-h200-attention.md): faster than stock on the full layers (compiled
 fwd+bwd at 2048 tokens 2.06 vs 7.05 ms), slower than cuDNN on the sliding layers (so `g4ops.enable(model,
-attention=True)` keeps those on stock), and in bf16 up to 1.25x stock's error vs fp64 (so it is opt-in).
+attention=True)` keeps those on stock), and in bf16 up to 1.25x stock's error vs fp64 (so it is opt-in). That bf16
+gap came from rounding P and dS to bf16 and from the backward's rowsum(dO * O) on the bf16 output (the CPU run of
+that arithmetic reproduces the H200 errors to 3 digits); both are fixed below, and on CPU the errors now equal stock
+SDPA MATH's. Not yet re-measured on the GPU.
 
 Semantics (what `attention` returns is softmax(scale * q k^T + mask) v, per query head):
 - query [B, Hq, L, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv], L <= S; query head h reads kv head h // (Hq / Hkv)
@@ -18,10 +21,11 @@ Semantics (what `attention` returns is softmax(scale * q k^T + mask) v, per quer
   Query position p sees key position k when k <= p, and with a sliding window also k > p - window (transformers'
   `sliding_window_overlay`: `kv_idx > q_idx - sliding_window`).
 - Numerics: scores, the softmax and its statistics in fp32 (fp64 for fp64 inputs); every GEMM accumulates in fp32
-  and the outputs and gradients are rounded once to the input dtype. bf16/fp16 on CUDA: the GEMMs run on tensor
-  cores, so the probabilities P and the score gradient dS are rounded to the input dtype first (as flash and the
-  mem-efficient kernel do); elsewhere the GEMMs run in fp32 on upcast inputs and P, dS stay fp32.
-- Memory: forward saves only q, k, v, out and the fp32 row logsumexp; backward recomputes P chunk by chunk. The
+  and the outputs and gradients are rounded once to the input dtype. bf16/fp16: the GEMMs take bf16/fp16 operands
+  (tensor cores on CUDA; elsewhere the same exact products and fp32 sums on upcast operands), and the fp32 P and dS
+  enter their GEMMs as a hi + lo pair of that dtype (`_parts`), not rounded to it as flash and the mem-efficient
+  kernel do. The backward's rowsum(dO * O) is taken as rowsum(P * dP) in fp32, not from the rounded output.
+- Memory: forward saves only q, k, v and the fp32 row logsumexp; backward recomputes P chunk by chunk. The
   transient per chunk is a [B, Hq, chunk, visible keys] fp32 score block.
 
 It is a `torch.autograd.Function` of plain ATen ops whose Python loop over chunks depends only on shapes, so
@@ -42,14 +46,55 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _operand_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype GEMM operands are in: bf16/fp16 on CUDA (tensor cores, fp32 accumulator); elsewhere the inputs
-    are upcast to fp32, so P and dS need no rounding there."""
-    return x.dtype if x.dtype in _LOW_PRECISION and x.is_cuda else _acc_dtype(x.dtype)
+    """The dtype GEMM operands are in: bf16/fp16 as given (tensor cores, fp32 accumulator); other dtypes upcast to
+    the accumulation dtype."""
+    return x.dtype if x.dtype in _LOW_PRECISION else _acc_dtype(x.dtype)
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """a @ b (3-D) with the result in `acc` (bmm's out_dtype keeps a bf16/fp16 GEMM's fp32 accumulator)."""
-    return torch.bmm(a, b) if a.dtype == acc else torch.bmm(a, b, out_dtype=acc)
+    """a @ b (3-D) with the result in `acc`. bf16/fp16 operands: exact products summed in fp32, by bmm's out_dtype
+    on CUDA; CPU has no bmm out_dtype, and upcasting the operands there does the same arithmetic, so CPU tests check
+    the GPU's numerics."""
+    if a.dtype == acc:
+        return torch.bmm(a, b)
+    if a.is_cuda:
+        return torch.bmm(a, b, out_dtype=acc)
+    return torch.bmm(a.to(acc), b.to(acc))
+
+
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+
+
+def _parts(x: torch.Tensor, op: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """P or dS (fp32/fp64) as GEMM operands of dtype `op` that sum to it: x itself when `op` is its dtype; for
+    bf16/fp16 a hi + lo pair, equal to x within 2^-16 relative in bf16 (fp16: 2^-22, or its subnormal spacing
+    2^-24), against 2^-8 for x.to(bf16) alone.
+
+    Why: with P and dS rounded to bf16, out, dq, dk, dv had 1.27x, 1.42x, 1.42x, 1.17x stock SDPA MATH's error vs
+    fp64 (bench/attention.py's full-layer inputs at L 1024 on CPU, which runs the GPU's bf16 arithmetic); with the
+    pair they equal it. Cost: a second GEMM for each product with P or dS, 7 -> 11 GEMMs per query chunk in forward
+    + backward (+57% GEMM FLOPs), plus writing lo.
+
+    hi is x with its low mantissa bits cleared, so it is exact in `op` and x - hi is exact in fp32; lo is that
+    remainder rounded once. hi comes from the bits and not from x.to(op) on purpose: Inductor keeps fused bf16/fp16
+    values in fp32 (it drops the rounding of x.to(op).float()), which would make lo zero under torch.compile."""
+    if x.dtype == op:
+        return (x,)
+    keep = -(1 << (23 - _MANTISSA_BITS[op]))  # int32 mask of the sign, exponent and the leading mantissa bits
+    hi = (x.view(torch.int32) & keep).view(torch.float32)
+    return hi.to(op), (x - hi).to(op)
+
+
+def _bmm_sum(parts: tuple[torch.Tensor, ...], b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """sum(part @ b for part in parts), in `acc`."""
+    out = _bmm(parts[0], b, acc)
+    for part in parts[1:]:
+        out = out + _bmm(part, b, acc)
+    return out
+
+
+def _transposed(parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(part.transpose(1, 2) for part in parts)
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -77,7 +122,7 @@ class _Attention(torch.autograd.Function):
         s_len, e = k.shape[2], v.shape[3]
         acc, op = _acc_dtype(q.dtype), _operand_dtype(q)
         offset = s_len - n
-        qo, ko, vo = q.to(op), k.to(op), v.to(op)  # no-op on CUDA; fp32 copies where the GEMMs run in fp32
+        qo, ko, vo = q.to(op), k.to(op), v.to(op)  # no-op but for dtypes the GEMMs upcast (fp8)
         outs, lses = [], []
         with torch.autocast(q.device.type, enabled=False):  # the GEMM dtypes below are chosen on purpose
             for q0 in range(0, n, chunk):
@@ -92,28 +137,26 @@ class _Attention(torch.autograd.Function):
                 seen = _visible(pos, torch.arange(lo, hi, device=q.device), window)
                 s = s.masked_fill(~seen, float("-inf"))
                 lse = torch.logsumexp(s, dim=-1)  # every row sees at least its own key: finite
-                p = torch.exp(s - lse[..., None]).to(op).view(b * hkv, g * rows, hi - lo)
-                outs.append(_bmm(p, vc, acc).view(b, hkv, g, rows, e).to(q.dtype))
+                p = _parts(torch.exp(s - lse[..., None]).view(b * hkv, g * rows, hi - lo), op)
+                outs.append(_bmm_sum(p, vc, acc).view(b, hkv, g, rows, e).to(q.dtype))
                 lses.append(lse)
         out = torch.cat(outs, dim=3)
         lse = torch.cat(lses, dim=3)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, lse)
         ctx.scale, ctx.window, ctx.chunk = scale, window, chunk
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        # dV += P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = dS K * scale, dK += dS^T Q * scale
-        q, k, v, out, lse = ctx.saved_tensors
+        # dV += P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), dQ = dS K * scale, dK += dS^T Q * scale
+        q, k, v, lse = ctx.saved_tensors
         scale, window, chunk = ctx.scale, ctx.window, ctx.chunk
         b, hkv, g, n, d = q.shape
         s_len, e = k.shape[2], v.shape[3]
         acc, op = _acc_dtype(q.dtype), _operand_dtype(q)
         offset = s_len - n
-        grad_out = grad_out.contiguous()
         qo, ko, vo = q.to(op), k.to(op), v.to(op)
-        delta = (grad_out.to(acc) * out.to(acc)).sum(-1)  # rowsum(dO * O): [B, Hkv, G, L]
-        grad_out = grad_out.to(op)
+        grad_out = grad_out.contiguous().to(op)
         dk = torch.zeros(b, hkv, s_len, d, dtype=acc, device=q.device)
         dv = torch.zeros(b, hkv, s_len, e, dtype=acc, device=q.device)
         dqs = []
@@ -131,11 +174,13 @@ class _Attention(torch.autograd.Function):
                 seen = _visible(pos, torch.arange(lo, hi, device=q.device), window)
                 p = torch.exp(s.masked_fill(~seen, float("-inf")) - lse[:, :, :, q0:q1, None])
                 dp = _bmm(doc, vc.transpose(1, 2), acc).view(b, hkv, g, rows, width)
-                ds = (p * (dp - delta[:, :, :, q0:q1, None])).to(op).view(b * hkv, g * rows, width)
-                p = p.to(op).view(b * hkv, g * rows, width)
-                dv[:, :, lo:hi] += _bmm(p.transpose(1, 2), doc, acc).view(b, hkv, width, e)
-                dk[:, :, lo:hi] += _bmm(ds.transpose(1, 2), qc, acc).view(b, hkv, width, d) * scale
-                dqs.append((_bmm(ds, kc, acc) * scale).view(b, hkv, g, rows, d).to(q.dtype))
+                # rowsum(P * dP) equals rowsum(dO * O) (every key a row sees is in this block), but to fp32: taken
+                # from the bf16 O, the cancellation in dP - rowsum amplified O's rounding to 3.5x stock's dq, dk error
+                ds = _parts((p * (dp - (p * dp).sum(-1, keepdim=True))).view(b * hkv, g * rows, width), op)
+                p = _parts(p.view(b * hkv, g * rows, width), op)
+                dv[:, :, lo:hi] += _bmm_sum(_transposed(p), doc, acc).view(b, hkv, width, e)
+                dk[:, :, lo:hi] += _bmm_sum(_transposed(ds), qc, acc).view(b, hkv, width, d) * scale
+                dqs.append((_bmm_sum(ds, kc, acc) * scale).view(b, hkv, g, rows, d).to(q.dtype))
         dq = torch.cat(dqs, dim=3)
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
