@@ -323,6 +323,14 @@ def make_generate(stock_generate):
     return generate
 
 
+def _is_absent(name: str, value, config_fields) -> bool:
+    """An argument that is not a generation setting, given its "nothing" value (`streamer=None`, an empty
+    `logits_processor`, `synced_gpus=False`): stock generate treats it as not given, and so do we."""
+    if hasattr(config_fields, name):
+        return False  # a GenerationConfig field: even None overrides the model's default
+    return value is None or value is False or (isinstance(value, (list, tuple)) and not value)
+
+
 def _routable(model, inputs, generation_config, kwargs):
     """(input_ids, attention_mask, new tokens, min new tokens, suppressed ids, eos ids, pad id, compile) when the
     call is greedy search with a static cache over left-padded (or unpadded) prompts and nothing this decoder does
@@ -331,8 +339,10 @@ def _routable(model, inputs, generation_config, kwargs):
     if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.dtype == torch.long and ids.numel()
             and ids.device.type in ROUTED_DEVICES):  # fmt: skip
         return None
-    extra = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask")}
-    if any(not hasattr(generation_config or model.generation_config, k) for k in extra):
+    config_fields = generation_config or model.generation_config
+    extra = {k: v for k, v in kwargs.items()
+             if k not in ("input_ids", "attention_mask") and not _is_absent(k, v, config_fields)}  # fmt: skip
+    if any(not hasattr(config_fields, k) for k in extra):
         return None  # a model input, streamer, logits processor, assistant, ...: not ours
     mask = kwargs.get("attention_mask")
     if mask is not None:

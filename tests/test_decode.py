@@ -170,6 +170,22 @@ def test_enable_routes_greedy_static_generate_to_the_decoder(route_cpu, how, cas
     assert torch.equal(out, ref)
 
 
+def test_arguments_given_as_nothing_still_route(route_cpu):
+    # streamer=None and an empty logits_processor are what wrappers (and bench/e2e.py) pass when they have none;
+    # on the H200 (2026-11-29) streamer=None sent every call to stock generate.
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    model = build_model("tiny-e2b")
+    ids = _prompt(model)
+    nothing = dict(streamer=None, logits_processor=LogitsProcessorList(), stopping_criteria=StoppingCriteriaList(),
+                   synced_gpus=False, assistant_model=None, negative_prompt_ids=None)  # fmt: skip
+    ref = _generate(model, ids, min_new_tokens=NEW)
+    g4ops.enable()
+    out = _generate(model, ids, min_new_tokens=NEW, **nothing)
+    assert "_g4ops_decoder" in vars(model), "the call was not routed"
+    assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize(
     "kw",
     [
