@@ -6,7 +6,7 @@ from ._build import build as build_kernels
 from ._build import status as kernel_status
 from .integration import disable, enable, is_enabled
 from .loss import linear_cross_entropy
-from .ops import geglu_mlp, rms_norm
+from .ops import geglu_mlp, rms_norm, sandwich_norm
 
 __all__ = [
     "KernelBuildError",
@@ -19,4 +19,5 @@ __all__ = [
     "geglu_mlp",
     "linear_cross_entropy",
     "rms_norm",
+    "sandwich_norm",
 ]

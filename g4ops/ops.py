@@ -3,10 +3,13 @@
 Public ops (design.md section 3):
     torch.ops.g4ops.rms_norm(Tensor x, Tensor? weight, float eps) -> Tensor
     torch.ops.g4ops.geglu_mlp(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down) -> Tensor
+    torch.ops.g4ops.sandwich_norm(Tensor branch, Tensor residual, Tensor? post_weight, Tensor? pre_weight, float eps)
+        -> (Tensor sum, Tensor normed)     Gemma's post-norm + residual add + next pre-norm (reference.py says how)
 Internal ops, each a real operator so autograd, torch.compile and CUDA graphs see them:
     rms_norm_backward      grad_x and the weight gradient (fp32 reduction) of rms_norm
     geglu_mlp_forward      the training forward: also returns the gate and up GEMM outputs for the backward
     geglu_mlp_backward     grad_x and all three weight gradients, from the saved gate/up (h is recomputed)
+    sandwich_norm_backward grad_branch, grad_residual and both weight gradients, from the saved branch and sum
 
 Kernels per op: the reference math (reference.py) is registered as CompositeExplicitAutograd, so it runs on every
 device; csrc/ registers CUDA kernels for the same names, which the dispatcher prefers on CUDA tensors. Autograd is
@@ -40,6 +43,14 @@ _SCHEMAS = {
         "geglu_mlp_backward(Tensor grad_out, Tensor x, Tensor gate, Tensor up, Tensor w_gate, Tensor w_up,"
         " Tensor w_down, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)"
     ),
+    "sandwich_norm": (
+        "sandwich_norm(Tensor branch, Tensor residual, Tensor? post_weight, Tensor? pre_weight, float eps)"
+        " -> (Tensor, Tensor)"
+    ),
+    "sandwich_norm_backward": (
+        "sandwich_norm_backward(Tensor grad_sum, Tensor grad_normed, Tensor branch, Tensor sum, Tensor? post_weight,"
+        " Tensor? pre_weight, float eps, bool[2] weight_grads) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
 }
 for _schema in _SCHEMAS.values():
     _lib.define(_schema)
@@ -69,18 +80,19 @@ def _check_same_device(op: str, **tensors: torch.Tensor) -> None:
         )
 
 
-def _check_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> None:
-    _check_floating("x", x)
-    torch._check(x.dim() >= 1, lambda: "g4ops.rms_norm: `x` must have at least one dimension")
-    torch._check(eps >= 0.0, lambda: f"g4ops.rms_norm: `eps` must be >= 0, got {eps}")
+def _check_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, op: str = "rms_norm",
+                    x_name: str = "x", weight_name: str = "weight") -> None:  # fmt: skip
+    _check_floating(x_name, x)
+    torch._check(x.dim() >= 1, lambda: f"g4ops.{op}: `{x_name}` must have at least one dimension")
+    torch._check(eps >= 0.0, lambda: f"g4ops.{op}: `eps` must be >= 0, got {eps}")
     if weight is not None:
-        _check_floating("weight", weight)
+        _check_floating(weight_name, weight)
         torch._check(
             weight.dim() == 1 and weight.shape[0] == x.shape[-1],
-            lambda: f"g4ops.rms_norm: `weight` must have shape [{x.shape[-1]}] (the last dim of `x`), "
+            lambda: f"g4ops.{op}: `{weight_name}` must have shape [{x.shape[-1]}] (the last dim of `{x_name}`), "
             f"got {list(weight.shape)}",
         )
-        _check_same_device("rms_norm", x=x, weight=weight)
+        _check_same_device(op, **{x_name: x, weight_name: weight})
 
 
 def _check_geglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
@@ -124,6 +136,26 @@ def _check_rms_norm_backward(grad_out, x, weight, eps, weight_grad):
     _check_same_device("rms_norm_backward", x=x, grad_out=grad_out)
 
 
+def _check_sandwich_norm(branch, residual, post_weight, pre_weight, eps, op="sandwich_norm"):
+    _check_rms_norm(branch, post_weight, eps, op, "branch", "post_weight")
+    _check_rms_norm(residual, pre_weight, eps, op, "residual", "pre_weight")
+    _check_shape(op, "residual", residual, branch.shape, "`branch`")
+    torch._check(
+        residual.dtype == branch.dtype,
+        lambda: f"g4ops.{op}: `residual` is {residual.dtype} but `branch` is {branch.dtype}; they must match",
+    )
+    _check_same_device(op, branch=branch, residual=residual)
+
+
+def _check_sandwich_norm_backward(grad_sum, grad_normed, branch, s, post_weight, pre_weight, eps, weight_grads):
+    op = "sandwich_norm_backward"
+    _check_sandwich_norm(branch, s, post_weight, pre_weight, eps, op)
+    for name, t in (("grad_sum", grad_sum), ("grad_normed", grad_normed)):
+        _check_floating(name, t)
+        _check_shape(op, name, t, branch.shape, "`branch`")
+        _check_same_device(op, branch=branch, **{name: t})
+
+
 def _check_geglu_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask):
     _check_geglu(x, w_gate, w_up, w_down)
     for name, t in (("grad_out", grad_out), ("gate", gate), ("up", up)):
@@ -151,6 +183,8 @@ _OPS = {
     "geglu_mlp": (_check_geglu, reference.geglu_mlp),
     "geglu_mlp_forward": (_check_geglu, reference.geglu_mlp_forward),
     "geglu_mlp_backward": (_check_geglu_backward, reference.geglu_mlp_backward),
+    "sandwich_norm": (_check_sandwich_norm, reference.sandwich_norm),
+    "sandwich_norm_backward": (_check_sandwich_norm_backward, reference.sandwich_norm_backward),
 }
 
 
@@ -232,6 +266,20 @@ def _geglu_mlp_backward_fake(grad_out, x, gate, up, w_gate, w_up, w_down, output
     )
 
 
+@torch.library.register_fake("g4ops::sandwich_norm", lib=_lib)
+def _sandwich_norm_fake(branch, residual, post_weight, pre_weight, eps):
+    _check_sandwich_norm(branch, residual, post_weight, pre_weight, eps)
+    return branch.new_empty(branch.shape), branch.new_empty(branch.shape)
+
+
+@torch.library.register_fake("g4ops::sandwich_norm_backward", lib=_lib)
+def _sandwich_norm_backward_fake(grad_sum, grad_normed, branch, s, post_weight, pre_weight, eps, weight_grads):
+    _check_sandwich_norm_backward(grad_sum, grad_normed, branch, s, post_weight, pre_weight, eps, weight_grads)
+    weight_grad = [w.new_empty(w.shape) if (w is not None and wanted) else branch.new_empty(0)
+                   for w, wanted in zip((post_weight, pre_weight), weight_grads)]  # fmt: skip
+    return branch.new_empty(branch.shape), branch.new_empty(branch.shape), *weight_grad
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd. Each formula's backward is one registered op (no Python math in the backward), so torch.compile puts
 # the CUDA backward kernels straight into the graph. Double backward is not supported (once_differentiable).
@@ -269,6 +317,33 @@ class _GegluMlpFunction(torch.autograd.Function):
         return tuple(g if wanted else None for g, wanted in zip(grads, mask))
 
 
+class _SandwichNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, branch, residual, post_weight, pre_weight, eps):
+        s, y = torch.ops.g4ops.sandwich_norm(branch, residual, post_weight, pre_weight, eps)
+        ctx.save_for_backward(branch, s, post_weight, pre_weight)
+        ctx.eps = eps
+        return s, y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_sum, grad_normed):
+        branch, s, post_weight, pre_weight = ctx.saved_tensors
+        # (autograd hands zeros for an output that did not reach the loss: materialize_grads is on)
+        grad_sum, grad_normed = grad_sum.contiguous(), grad_normed.contiguous()
+        wanted = [w is not None and ctx.needs_input_grad[i] for i, w in ((2, post_weight), (3, pre_weight))]
+        grad_branch, grad_residual, grad_post, grad_pre = torch.ops.g4ops.sandwich_norm_backward(
+            grad_sum, grad_normed, branch, s, post_weight, pre_weight, ctx.eps, wanted
+        )
+        return (
+            grad_branch if ctx.needs_input_grad[0] else None,
+            grad_residual if ctx.needs_input_grad[1] else None,
+            grad_post if wanted[0] else None,
+            grad_pre if wanted[1] else None,
+            None,
+        )
+
+
 _BELOW_AUTOGRAD = torch._C._after_autograd_keyset
 
 
@@ -282,6 +357,13 @@ def _geglu_mlp_autograd(keyset, x, w_gate, w_up, w_down):
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_gate, w_up, w_down)):
         return _GegluMlpFunction.apply(x, w_gate, w_up, w_down)
     return torch.ops.g4ops.geglu_mlp.default.redispatch(keyset & _BELOW_AUTOGRAD, x, w_gate, w_up, w_down)
+
+
+def _sandwich_norm_autograd(keyset, branch, residual, post_weight, pre_weight, eps):
+    inputs = (branch, residual, post_weight, pre_weight)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        return _SandwichNormFunction.apply(branch, residual, post_weight, pre_weight, eps)
+    return torch.ops.g4ops.sandwich_norm.default.redispatch(keyset & _BELOW_AUTOGRAD, *inputs, eps)
 
 
 def _internal_op_autograd(name: str, check=None):
@@ -301,7 +383,8 @@ def _internal_op_autograd(name: str, check=None):
 
 _lib.impl("rms_norm", _rms_norm_autograd, "Autograd", with_keyset=True)
 _lib.impl("geglu_mlp", _geglu_mlp_autograd, "Autograd", with_keyset=True)
-for _name in ("rms_norm_backward", "geglu_mlp_forward", "geglu_mlp_backward"):
+_lib.impl("sandwich_norm", _sandwich_norm_autograd, "Autograd", with_keyset=True)
+for _name in ("rms_norm_backward", "geglu_mlp_forward", "geglu_mlp_backward", "sandwich_norm_backward"):
     _lib.impl(_name, _internal_op_autograd(_name), "Autograd", with_keyset=True)
 
 
@@ -338,3 +421,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
 def geglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """`down(gelu_tanh(x @ w_gate.T) * (x @ w_up.T))` with weights in nn.Linear layout [out, in], no bias."""
     return torch.ops.g4ops.geglu_mlp(x, w_gate, w_up, w_down)
+
+
+def sandwich_norm(
+    branch: torch.Tensor,
+    residual: torch.Tensor,
+    post_weight: torch.Tensor | None,
+    pre_weight: torch.Tensor | None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's sandwich norms in one op: `s = residual + rms_norm(branch, post_weight)` (rounded once) and
+    `rms_norm(s, pre_weight)`; returns both (s is the new residual stream, the second the next block's input)."""
+    return torch.ops.g4ops.sandwich_norm(branch, residual, post_weight, pre_weight, float(eps))

@@ -29,24 +29,26 @@ def _inverse_rms(x_acc: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.pow(x_acc.pow(2).mean(-1, keepdim=True) + eps, -0.5)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    acc = accumulation_dtype(x.dtype)
-    x_acc = x.to(acc)
+def _normalized(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """rms_norm in the accumulation dtype, before its one rounding."""
+    x_acc = x.to(accumulation_dtype(x.dtype))
     y = x_acc * _inverse_rms(x_acc, eps)
-    if weight is not None:
-        y = y * weight.to(acc)
-    return y.to(x.dtype).contiguous()
+    return y * weight.to(y.dtype) if weight is not None else y
 
 
-def rms_norm_backward(
-    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_grad: bool
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return _normalized(x, weight, eps).to(x.dtype).contiguous()
+
+
+def _rms_norm_backward_acc(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (grad_x in x.dtype, grad_weight in weight.dtype, or an empty tensor when not asked for)."""
+    """(grad_x in the accumulation dtype, grad_weight in weight.dtype or an empty tensor); `dy` in any dtype."""
     acc = accumulation_dtype(x.dtype)
     x_acc = x.to(acc)
     inv_rms = _inverse_rms(x_acc, eps)
     x_hat = x_acc * inv_rms
-    dy = grad_out.to(acc)
+    dy = dy.to(acc)
     dy_w = dy * weight.to(acc) if weight is not None else dy
     # d/dx [x * r(x)] with r = (mean(x^2)+eps)^-1/2:  r * (g - x_hat * mean(g * x_hat))
     grad_x = inv_rms * (dy_w - x_hat * (dy_w * x_hat).mean(-1, keepdim=True))
@@ -54,7 +56,39 @@ def rms_norm_backward(
         grad_w = (dy * x_hat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
     else:
         grad_w = x.new_empty(0)
+    return grad_x, grad_w
+
+
+def rms_norm_backward(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (grad_x in x.dtype, grad_weight in weight.dtype, or an empty tensor when not asked for)."""
+    grad_x, grad_w = _rms_norm_backward_acc(grad_out, x, weight, eps, weight_grad)
     return grad_x.to(x.dtype).contiguous(), grad_w
+
+
+def sandwich_norm(
+    branch: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor | None,
+    pre_weight: torch.Tensor | None, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's sandwich: (s, y) with s = residual + rms_norm(branch, post_weight), rounded once (stock rounds the norm
+    and then the sum), and y = rms_norm(s, pre_weight) of the rounded s, which is what the next layer reads."""
+    acc = accumulation_dtype(residual.dtype)
+    s = (residual.to(acc) + _normalized(branch, post_weight, eps)).to(residual.dtype).contiguous()
+    return s, rms_norm(s, pre_weight, eps)
+
+
+def sandwich_norm_backward(
+    grad_sum: torch.Tensor, grad_normed: torch.Tensor, branch: torch.Tensor, s: torch.Tensor,
+    post_weight: torch.Tensor | None, pre_weight: torch.Tensor | None, eps: float, weight_grads: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_branch, grad_residual, grad_post_weight, grad_pre_weight); `s` is the forward's rounded sum. The sum's
+    gradient ds = grad_sum + d(y)/ds stays in the accumulation dtype for grad_branch and is rounded once for
+    grad_residual. A weight gradient not asked for (or without a weight) is an empty tensor."""
+    grad_s, grad_pre = _rms_norm_backward_acc(grad_normed, s, pre_weight, eps, weight_grads[1])
+    ds = grad_s + grad_sum.to(grad_s.dtype)
+    grad_branch, grad_post = _rms_norm_backward_acc(ds, branch, post_weight, eps, weight_grads[0])
+    return grad_branch.to(branch.dtype).contiguous(), ds.to(s.dtype).contiguous(), grad_post, grad_pre
 
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,22 @@ def rms_norm_grads(
     return dx, dw
 
 
+def sandwich_norm(branch, residual, post_weight, pre_weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, y): s = residual + rms_norm(branch, post_weight), y = rms_norm(s, pre_weight), exact (s not rounded)."""
+    s = _f64(residual) + rms_norm(branch, post_weight, eps)
+    return s, rms_norm(s, pre_weight, eps)
+
+
+def sandwich_norm_grads(grad_sum, grad_normed, branch, residual, post_weight, pre_weight, eps):
+    """(dL/dbranch, dL/dresidual, dL/dpost_weight or None, dL/dpre_weight or None): s feeds the loss directly
+    (grad_sum) and through y (grad_normed), so ds = grad_sum + (dy/ds)^T grad_normed = dL/dresidual."""
+    s, _ = sandwich_norm(branch, residual, post_weight, pre_weight, eps)
+    ds_from_y, d_pre = rms_norm_grads(grad_normed, s, pre_weight, eps)
+    ds = _f64(grad_sum) + ds_from_y
+    d_branch, d_post = rms_norm_grads(ds, branch, post_weight, eps)
+    return d_branch, ds, d_post, d_pre
+
+
 _GELU_C = math.sqrt(2.0 / math.pi)
 _GELU_A = 0.044715
 
@@ -160,6 +176,23 @@ def stock_rms_norm_with_grads(
     out = module(x)
     out.backward(grad_out)
     return out.detach(), x.grad, (module.weight.grad if weight is not None else None)
+
+
+def stock_sandwich_norm(branch, residual, post_weight, pre_weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma4TextDecoderLayer's middle: s = residual + post_attention_layernorm(branch); pre_feedforward_layernorm(s).
+    Differentiable in all four inputs: the modules use the given weight tensors themselves."""
+    post = stock_rms_norm_module(branch.shape[-1], None, eps) if post_weight is None else None
+    pre = stock_rms_norm_module(branch.shape[-1], None, eps) if pre_weight is None else None
+    s = residual + (post(branch) if post is not None else _stock_norm_with(branch, post_weight, eps))
+    return s, (pre(s) if pre is not None else _stock_norm_with(s, pre_weight, eps))
+
+
+def _stock_norm_with(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma4RMSNorm.forward run with `weight` itself (not a copy) as the module's weight, so gradients reach it."""
+    module = stock_rms_norm_module(x.shape[-1], weight, eps)
+    del module.weight
+    module.weight = weight
+    return module(x)
 
 
 def stock_geglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
