@@ -138,13 +138,13 @@ def _check_rms_norm_backward(grad_out, x, weight, eps, weight_grad):
 
 def _check_sandwich_norm(branch, residual, post_weight, pre_weight, eps, op="sandwich_norm"):
     _check_rms_norm(branch, post_weight, eps, op, "branch", "post_weight")
-    _check_rms_norm(residual, pre_weight, eps, op, "residual", "pre_weight")
     _check_shape(op, "residual", residual, branch.shape, "`branch`")
     torch._check(
         residual.dtype == branch.dtype,
         lambda: f"g4ops.{op}: `residual` is {residual.dtype} but `branch` is {branch.dtype}; they must match",
     )
     _check_same_device(op, branch=branch, residual=residual)
+    _check_rms_norm(residual, pre_weight, eps, op, "residual", "pre_weight")
 
 
 def _check_sandwich_norm_backward(grad_sum, grad_normed, branch, s, post_weight, pre_weight, eps, weight_grads):

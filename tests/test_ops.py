@@ -1,4 +1,4 @@
-"""Op-level tests of torch.ops.g4ops.rms_norm and torch.ops.g4ops.geglu_mlp (design.md sections 3, 4, 7.1).
+"""Op-level tests of torch.ops.g4ops.rms_norm, geglu_mlp and sandwich_norm (design.md sections 3, 4, 7.1).
 
 - opcheck: schema, fake kernel, autograd registration and AOT dispatch of both public ops and the internal ones.
 - gradcheck in fp64, with every input and with subsets requiring grad.
@@ -233,6 +233,54 @@ def test_oracle_gradients_match_fp64_autograd(device):
 # (min elements compared, max draws) per op; the norm is cheap, so it gets the larger sample (the floor shrinks
 # as 1/sqrt(elements), and a weight gradient summed in bf16 is only ~0.2 u worse than stock's)
 NORM_SAMPLE = (8192, 64)
+# (post_weight dtype, pre_weight dtype) pairs: "x" is the activation dtype
+SANDWICH_WEIGHTS = [(None, None), (torch.float32, torch.float32), ("x", None), (None, "x")]
+
+
+def _weight(dtype, like, gen, device):
+    dtype = like.dtype if dtype == "x" else dtype
+    return None if dtype is None else O.make_tensor((like.shape[-1],), dtype, gen, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind, dtype", _kind_dtype_grid(["2d", "3d", "sliced", "transposed"]))
+def test_opcheck_sandwich_norm(device, kind, dtype):
+    gen = _gen(11)
+    branch, residual = (_norm_input(kind, dtype, gen, device) for _ in range(2))
+    grads = [O.make_tensor(branch.shape, dtype, gen, device=device) for _ in range(2)]
+    for i, (post_dt, pre_dt) in enumerate(SANDWICH_WEIGHTS):
+        post, pre = _weight(post_dt, branch, gen, device), _weight(pre_dt, branch, gen, device)
+        # the full check (AOT dispatch included) on the fp32-weights pair, the cheap subset on the others
+        utils = {} if i == 1 else {"test_utils": _CHEAP_OPCHECK}
+        for requires_grad in (False, True):
+            args = [t if t is None else t.detach().requires_grad_(requires_grad) for t in (branch, residual, post, pre)]
+            torch.library.opcheck(OPS.sandwich_norm.default, (*args, 1e-6), **utils)
+        s, _ = OPS.sandwich_norm(branch, residual, post, pre, 1e-6)
+        for wanted in ([True, True], [False, True]):
+            torch.library.opcheck(OPS.sandwich_norm_backward.default, (*grads, branch, s, post, pre, 1e-6, wanted),
+                                  **utils)  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "rowstep"])
+@pytest.mark.parametrize("grads", ["all", "branch+residual", "weights", "no-weights", "post-weight-only"])
+@pytest.mark.parametrize("output", ["both", "sum", "normed"])
+def test_gradcheck_sandwich_norm(device, layout, grads, output):
+    gen = _gen(12)
+    branch, residual = (O.make_tensor((3, 7), torch.float64, gen, layout, device=device) for _ in range(2))
+    post, pre = (O.make_tensor((7,), torch.float64, gen, device=device) for _ in range(2))
+    if grads == "no-weights":
+        post = pre = None
+    if grads == "post-weight-only":
+        pre = None
+    wanted = {"all": "bwrq", "branch+residual": "br", "weights": "wq", "no-weights": "br", "post-weight-only": "w"}
+    leaves = [t if t is None else t.detach().requires_grad_(c in wanted[grads])
+              for t, c in zip((branch, residual, post, pre), "brwq")]  # fmt: skip
+    pick = {"both": lambda o: o, "sum": lambda o: o[0], "normed": lambda o: o[1]}[output]
+    assert torch.autograd.gradcheck(lambda *a: pick(g4ops.sandwich_norm(*a, 1e-6)), leaves, eps=1e-6, atol=1e-9,
+                                    rtol=1e-7)  # fmt: skip
+
+
 MLP_SAMPLE = (1024, 16)
 
 
@@ -342,6 +390,74 @@ _PROPERTY_SETTINGS = dict(
 ODD_DIMS = [2, 3, 7, 64, 257, 769]
 
 
+def sandwich_norm_vs_stock(device, dtype, post_dtype, pre_dtype, shape, layout, scale, seed) -> None:
+    """Both outputs and all gradients against fp64. Stock (two Gemma4RMSNorm modules and a `+`) rounds the norm
+    output before the sum, and the sum's gradient before the post-norm backward; g4ops rounds each result once.
+    The differently rounded values are terms of the final sums, hence rounded_terms=True."""
+    gen = _gen(seed)
+    dim, numel = shape[-1], math.prod(shape)
+    eps = 1e-6
+    errors = _Errors()
+    for _ in range(_draws(min(numel, dim), NORM_SAMPLE)):
+        branch = O.make_tensor(shape, dtype, gen, layout, device=device, scale=scale)
+        residual = O.make_tensor(shape, dtype, gen, layout, device=device)
+        post, pre = _weight(post_dtype, branch, gen, device), _weight(pre_dtype, branch, gen, device)
+        grad_sum, grad_normed = (O.make_tensor(shape, dtype, gen, device=device) for _ in range(2))
+        given = [(n, t) for n, t in (("branch", branch), ("residual", residual), ("post", post), ("pre", pre))
+                 if t is not None]  # fmt: skip
+
+        def flat(fn):  # the op as a function of the given tensors, its two outputs as one vector
+            def call(*leaves):
+                args = dict(zip((n for n, _ in given), leaves))
+                outs = fn(args["branch"], args["residual"], args.get("post"), args.get("pre"), eps)
+                return torch.cat([o.reshape(-1) for o in outs])
+
+            return call
+
+        dout = torch.cat([grad_sum.reshape(-1), grad_normed.reshape(-1)])
+        out, grads = O.with_grads(flat(g4ops.sandwich_norm), [t for _, t in given], dout)
+        out_s, grads_s = O.with_grads(flat(O.stock_sandwich_norm), [t for _, t in given], dout)
+        ref_s, ref_y = O.sandwich_norm(branch, residual, post, pre, eps)
+        ref = dict(zip(("branch", "residual", "post", "pre"),
+                       O.sandwich_norm_grads(grad_sum, grad_normed, branch, residual, post, pre, eps)))  # fmt: skip
+        # condition numbers: s = residual + post(branch); ds = grad_sum + (dy/ds)^T grad_normed; the rest as rms_norm
+        _, ds_from_y_abs, pre_abs = O.rms_norm_abs_terms(grad_normed, ref_s, pre, eps)
+        _, branch_abs, post_abs = O.rms_norm_abs_terms(ref["residual"], branch, post, eps)
+        abs_terms = {"branch": branch_abs, "residual": grad_sum.double().abs() + ds_from_y_abs, "post": post_abs,
+                     "pre": pre_abs}  # fmt: skip
+        s_abs = residual.double().abs() + O.rms_norm(branch, post, eps).abs()
+        errors.add("sum", out[:numel], out_s[:numel], ref_s.reshape(-1), s_abs.reshape(-1))
+        errors.add("normed", out[numel:], out_s[numel:], ref_y.reshape(-1), ref_y.abs().reshape(-1))
+        for (name, _), g, g_stock in zip(given, grads, grads_s):
+            errors.add("d" + name, g, g_stock, ref[name], abs_terms[name])
+    rows = numel // dim
+    weight_dtype = {"dpost": getattr(post, "dtype", None), "dpre": getattr(pre, "dtype", None)}
+    errors.check(
+        {"sum": dtype, "normed": dtype, "dbranch": dtype, "dresidual": dtype, **weight_dtype},
+        {"sum": 1, "normed": dim, "dbranch": dim, "dresidual": dim, "dpost": rows, "dpre": rows},
+        {"sum": numel, "normed": numel, "dbranch": numel, "dresidual": numel, "dpost": dim, "dpre": dim},
+        f"{_short(dtype)} x{list(shape)} {layout} weights {post_dtype}/{pre_dtype} scale {scale} seed {seed}",
+        rounded_terms=True,
+    )
+
+
+@st.composite
+def sandwich_configs(draw):
+    dtype = draw(st.sampled_from(LOW_AND_FP32))
+    dim = draw(st.one_of(st.sampled_from(ODD_DIMS), st.integers(2, 300)))
+    shape = (*draw(st.lists(st.sampled_from([1, 2, 3, 7]), min_size=0, max_size=2)), dim)
+    post_dtype, pre_dtype = draw(st.sampled_from(SANDWICH_WEIGHTS))
+    layout, scale = draw(st.sampled_from(O.LAYOUTS)), draw(st.sampled_from([1e-2, 1.0, 8.0]))
+    return dtype, post_dtype, pre_dtype, shape, layout, scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=40, **_PROPERTY_SETTINGS)
+@given(config=sandwich_configs(), seed=st.integers(0, 2**32 - 1))
+def test_sandwich_norm_no_less_accurate_than_stock(device, config, seed):
+    sandwich_norm_vs_stock(device, *config, seed)
+
+
 @st.composite
 def norm_configs(draw):
     dtype = draw(st.sampled_from(LOW_AND_FP32))
@@ -448,6 +564,20 @@ def _bad_mlp_cases(device):
     }
 
 
+def _bad_sandwich_cases(device):
+    b, r, w = torch.randn(3, 8, device=device), torch.randn(3, 8, device=device), torch.randn(8, device=device)
+    return {
+        "int branch": ((b.to(torch.int32), r, w, w, 1e-6), "`branch` must be float16"),
+        "int pre_weight": ((b, r, w, w.to(torch.int64), 1e-6), "`pre_weight` must be float16"),
+        "residual shape": ((b, torch.randn(3, 9, device=device), None, None, 1e-6), r"`residual` must have the shape"),
+        "residual dtype": ((b, r.to(torch.bfloat16), None, None, 1e-6), "`residual` is torch.bfloat16 but `branch`"),
+        "post_weight length": ((b, r, torch.randn(7, device=device), w, 1e-6), r"`post_weight` must have shape \[8\]"),
+        "negative eps": ((b, r, w, w, -1.0), "`eps` must be >= 0"),
+        "residual on another device": ((b, torch.randn(3, 8, device="meta"), w, w, 1e-6),
+                                       "`residual` is on meta but `branch` is on"),
+    }
+
+
 def _call_modes(op, args, mode):
     if mode == "eager":
         return op(*args)
@@ -482,6 +612,15 @@ def test_geglu_mlp_bad_input(device, mode, case):
     args, message = _bad_mlp_cases(device)[case]
     with pytest.raises((RuntimeError, TypeError, ValueError), match=message):
         _call_modes(g4ops.geglu_mlp, args, mode)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["eager", "requires_grad", "inference_mode", "fake"])
+@pytest.mark.parametrize("case", list(_bad_sandwich_cases("cpu")))
+def test_sandwich_norm_bad_input(device, mode, case):
+    args, message = _bad_sandwich_cases(device)[case]
+    with pytest.raises((RuntimeError, TypeError, ValueError), match=message):
+        _call_modes(g4ops.sandwich_norm, args, mode)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -548,11 +687,11 @@ def test_rms_norm_autocast_keeps_input_dtype(device):
 
 
 def _block(x, norm_w, q, q_norm_w, wg, wu, wd):
-    """A decoder-layer-shaped use of both ops: pre-norm + MLP + residual, and a q-norm (no weight on v-norm) on
-    a 4-D head view of a fused projection."""
-    h = x + g4ops.geglu_mlp(g4ops.rms_norm(x, norm_w, 1e-6), wg, wu, wd)
+    """A decoder-layer-shaped use of the ops: pre-norm + MLP, the sandwich (post-norm without weight, residual,
+    next pre-norm), and a q-norm (no weight on v-norm) on a 4-D head view of a fused projection."""
+    s, y = g4ops.sandwich_norm(g4ops.geglu_mlp(g4ops.rms_norm(x, norm_w, 1e-6), wg, wu, wd), x, None, norm_w)
     qn = g4ops.rms_norm(q, q_norm_w, 1e-6) + g4ops.rms_norm(q, None, 1e-6)
-    return h, qn
+    return s + y, qn
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -596,8 +735,11 @@ def test_compile_fullgraph_matches_eager(device, dtype):
     compiled = torch.compile(_block, fullgraph=True, backend=aot_autograd(fw_compiler=recorder("fw"),
                                                                         bw_compiler=recorder("bw")))
     eager, traced = run(_block), run(compiled)
-    assert {"g4ops.geglu_mlp_forward.default", "g4ops.rms_norm.default"} <= graphs["fw"], graphs["fw"]
-    assert {"g4ops.geglu_mlp_backward.default", "g4ops.rms_norm_backward.default"} <= graphs["bw"], graphs["bw"]
+    ops_fw = {"g4ops.geglu_mlp_forward.default", "g4ops.rms_norm.default", "g4ops.sandwich_norm.default"}
+    ops_bw = {"g4ops.geglu_mlp_backward.default", "g4ops.rms_norm_backward.default",
+              "g4ops.sandwich_norm_backward.default"}  # fmt: skip
+    assert ops_fw <= graphs["fw"], graphs["fw"]
+    assert ops_bw <= graphs["bw"], graphs["bw"]
     for a, b in zip(eager, traced):
         assert torch.equal(a, b)  # same kernels in the same order: bit for bit
 
