@@ -2,12 +2,17 @@
 //
 // Semantics: nothing here launches anything. It maps ATen dtypes to CUDA's native element types (torch builds
 // extensions with __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__, so all conversions below are
-// explicit intrinsics, round-to-nearest-even like c10's casts), gives 16-byte vector loads, warp reductions, and a
-// row indexer that turns a row number of a strided tensor (last dim contiguous) into an element offset.
+// explicit intrinsics, round-to-nearest-even like c10's casts), gives 16-byte vector loads, warp reductions, a
+// row indexer that turns a row number of a strided tensor (last dim contiguous) into an element offset, and (last
+// section) the row-norm building blocks that rms_norm.cu and sandwich_norm.cu share.
 // Valid C++17 (the GPU image's torch 2.11 builds with its default standard) and C++20 (torch 2.14 headers).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include <ATen/ATen.h>
@@ -245,5 +250,145 @@ inline bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<ui
 inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
 inline const char* dtype_name(at::ScalarType t) { return c10::toString(t); }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Row-norm building blocks shared by rms_norm.cu and sandwich_norm.cu (moved from rms_norm.cu unchanged). They sit
+// in an anonymous namespace, as they did there: each kernel file gets its own copy of the kernels and of the
+// per-kernel attribute caches, so no kernel instantiation is shared between translation units.
+namespace {
+
+constexpr int kMaxThreadsPerRow = 1024;
+
+// Sum of NV floats over the blockDim.x threads of one row. With blockDim.x == 32 (warp per row, several rows per
+// block) it never touches shared memory or __syncthreads, so warps may leave early independently.
+// `buf` holds 32 x NV floats; callers that reduce more than once per block alternate two buffers.
+template <int NV>
+__device__ __forceinline__ void row_sum(float (&v)[NV], float* buf) {
+#pragma unroll
+  for (int i = 0; i < NV; ++i) v[i] = warp_sum(v[i]);
+  if (blockDim.x == 32) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) buf[warp * NV + i] = v[i];
+  }
+  __syncthreads();
+  const int nwarps = blockDim.x >> 5;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) v[i] = 0.f;
+  for (int w = 0; w < nwarps; ++w)  // same order in every thread: identical totals
+#pragma unroll
+    for (int i = 0; i < NV; ++i) v[i] += buf[w * NV + i];
+}
+
+// Second pass of the weight gradient: dw[n] = sum_p partial[p, n] in a fixed order. Block (32 columns, 16 slices
+// of p); each slice sums a strided subset of p, then slice sums are added in slice order.
+template <typename OT>
+__global__ void reduce_partials_kernel(const float* __restrict__ partial,  // [P, N]
+                                       OT* __restrict__ out,               // [N]
+                                       int P, int N) {
+  __shared__ float s[16][33];
+  const int n = blockIdx.x * 32 + threadIdx.x;
+  float acc = 0.f;
+  if (n < N)
+    for (int p = threadIdx.y; p < P; p += 16) acc += partial[int64_t(p) * N + n];
+  s[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && n < N) {
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) t += s[i][threadIdx.x];
+    out[n] = from_float<OT>(t);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Launch configuration.
+
+// Largest block the compiled kernel can be launched with (its register count limits it below 1024).
+int kernel_max_threads(const void* kernel) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> cache;
+  const auto key = std::make_pair(kernel, int(at::cuda::current_device()));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  cudaFuncAttributes attr;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  cache.emplace(key, attr.maxThreadsPerBlock);
+  return attr.maxThreadsPerBlock;
+}
+
+// Resident blocks per SM for (kernel, block size, device), queried once and cached: the persistent backward grid
+// (and so the partial-sum layout) is a pure function of the device, which keeps the weight gradient deterministic.
+int blocks_per_sm(const void* kernel, int threads) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int>, int> cache;
+  const int dev = at::cuda::current_device();
+  const auto key = std::make_tuple(kernel, threads, dev);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int n = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
+  cache.emplace(key, n);
+  return n;
+}
+
+struct RowConfig {
+  int vec;     // elements per vector (1 = scalar path)
+  int items;   // vectors cached per thread
+  int tpr;     // threads per row
+  int rpb;     // rows per block
+};
+
+// max_items: the largest ITEMS the vector path is instantiated with (the scalar path always uses 8).
+// Returns false when the row is too wide for the register-cached kernels.
+bool pick_config(int N, int vec, int max_items, RowConfig& cfg) {
+  cfg.vec = vec;
+  const int nvec = N / vec;
+  if (vec == 1) {
+    cfg.items = 8;
+    const int need = (nvec + 7) / 8;
+    if (need > kMaxThreadsPerRow) return false;
+    cfg.tpr = std::max(32, (need + 31) / 32 * 32);
+  } else if (nvec <= 32 * 4) {  // warp per row: head_dim 256 / 512 norms, small hidden sizes
+    cfg.items = nvec <= 32 ? 1 : (nvec <= 64 ? 2 : 4);
+    cfg.tpr = 32;
+  } else {
+    int items = 1;
+    while ((nvec + items - 1) / items > kMaxThreadsPerRow) items *= 2;
+    if (items > max_items) return false;
+    cfg.items = items;
+    const int need = (nvec + items - 1) / items;
+    cfg.tpr = (need + 31) / 32 * 32;
+  }
+  cfg.rpb = cfg.tpr == 32 ? 4 : 1;
+  return true;
+}
+
+at::Tensor inverse_rms_aten(const at::Tensor& x_acc, double eps) {
+  return at::pow(x_acc.pow(2).mean(-1, /*keepdim=*/true) + eps, -0.5);
+}
+
+// Prepares a row operand: last dim contiguous and at most kMaxRowDims coalesced leading dims, else contiguous().
+at::Tensor rows_operand(const at::Tensor& t, RowIndexer& ri) {
+  if (t.stride(-1) == 1 || t.size(-1) == 1) {
+    if (make_row_indexer(t, ri)) return t;
+  }
+  at::Tensor c = t.contiguous();
+  TORCH_INTERNAL_ASSERT(make_row_indexer(c, ri));
+  return c;
+}
+
+// Kernel weight: nullptr, the weight itself (x's dtype or fp32), or a fp32 copy for any other dtype.
+at::Tensor kernel_weight(const std::optional<at::Tensor>& weight, at::ScalarType xdt) {
+  if (!weight.has_value()) return at::Tensor();
+  at::Tensor w = weight->contiguous();
+  if (w.scalar_type() != xdt && w.scalar_type() != at::kFloat) w = w.to(at::kFloat);
+  return w;
+}
+
+}  // namespace
 
 }  // namespace g4ops

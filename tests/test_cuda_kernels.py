@@ -9,7 +9,11 @@ What is checked, for every op the CUDA kernels register:
   16-bit activations;
 - outputs are fully written (the allocator is poisoned with NaN before each call), contiguous, right dtype;
 - the decode GEMV path (1..8 rows) against the cuBLAS GEMM path;
-- the weight gradient is deterministic (two runs bitwise equal);
+- the weight gradients are deterministic (two runs bitwise equal);
+- the sandwich norm (post-norm + residual add + pre-norm) forward and backward: vs the reference math on the same
+  CUDA tensors, and no less accurate than stock transformers against the fp64 oracle, at every row count of 1, 3,
+  37, 2049 and width of 8 to 5000, with None / 16-bit / fp32 / mixed weights, strided and 3-D inputs, the ATen
+  paths (float64, gradients of another dtype, rows too wide for the registers);
 - torch.library.opcheck on CUDA tensors, CUDA-graph capture + replay, torch.compile(mode="reduce-overhead");
 - bad inputs raise errors that name the argument.
 Inputs are fresh random nonzero draws (never zeros: they hide unwritten outputs).
@@ -335,6 +339,311 @@ def test_geglu_autograd_e4b_hidden():
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Sandwich norm: post-norm + residual add + next pre-norm (csrc/sandwich_norm.cu)
+
+# (rows, width): every row count of 1, 3, 37, 2049 and every width of 8, 24, 256, 512 (q/k heads), 2560 (E4B
+# hidden), 2562 (not 16-byte aligned: the scalar path), 5000 (fp32: two vectors per thread)
+SANDWICH_SHAPES = ((1, 2560), (1, 5000), (3, 8), (3, 2562), (37, 24), (37, 512), (37, 5000), (2049, 8), (2049, 256),
+                   (2049, 2560))  # fmt: skip
+# (post_weight, pre_weight) dtypes; "x" is the activation dtype
+SANDWICH_WEIGHTS = {
+    "none": (None, None),
+    "same": ("x", "x"),
+    "fp32": (torch.float32, torch.float32),
+    "mixed": (torch.float32, "x"),  # one fp32, one 16-bit: the kernel takes both in fp32
+    "pre_only": (None, torch.float32),
+}
+LOW_AND_FP32 = (torch.bfloat16, torch.float16, torch.float32)
+TOLERANCE_U = {dt: row.u for dt, row in oracle.TOLERANCE.items()}
+
+
+def _sandwich_weights(n: int, wmode: str, dtype: torch.dtype, gen):
+    def one(wdt):
+        if wdt is None:
+            return None
+        return make_tensor((n,), dtype if wdt == "x" else wdt, gen, device=DEV, scale=0.5) + 1.0
+
+    return tuple(one(w) for w in SANDWICH_WEIGHTS[wmode])
+
+
+def _stock_sandwich_grads(grad_sum, grad_normed, branch, residual, post, pre):
+    """Stock's (dbranch, dresidual, dpost, dpre) through autograd; None for a None weight."""
+    inputs = (branch, residual, post, pre)
+    leaves = [t.detach().requires_grad_(True) for t in inputs if t is not None]
+    it = iter(leaves)
+    s, y = oracle.stock_sandwich_norm(*[None if t is None else next(it) for t in inputs], EPS)
+    grads = iter(torch.autograd.grad((s, y), leaves, (grad_sum, grad_normed)))
+    return [None if t is None else next(grads) for t in inputs]
+
+
+def _check_sandwich_forward(branch, residual, post, pre, s, y):
+    """(s, y) from the CUDA kernel: contiguous, right dtype; the reference math run on the same CUDA tensors up to
+    fp32 summation order (s within one flip of its final rounding plus fp32 reordering noise on its terms, y
+    within one ulp of rms_norm of the kernel's own s); no less accurate than stock against fp64."""
+    from g4ops import reference
+
+    dtype, n, numel = branch.dtype, branch.shape[-1], branch.numel()
+    for name, t in (("s", s), ("y", y)):
+        assert t.dtype == dtype and t.shape == branch.shape and t.is_contiguous(), name
+    ref_s, _ = reference.sandwich_norm(branch, residual, post, pre, EPS)
+    s_terms = residual.double().abs() + oracle.rms_norm(branch, post, EPS).abs()  # |terms| of s = residual + norm
+    diff = (s.double() - ref_s.double()).abs()
+    bound = torch.finfo(dtype).eps * ref_s.double().abs() + 2 * tolerance(torch.float32, n) * s_terms
+    bad = (diff > bound) | ~torch.isfinite(s)
+    assert not bad.any(), f"s: {int(bad.sum())} elements differ from the reference math by more than the bound"
+    ref_y = reference.rms_norm(s, pre, EPS)  # y is the pre-norm of the ROUNDED s
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref_y, rtol=4 * tolerance(torch.float32, n), atol=1e-30)
+    else:
+        _ulp_close(y, ref_y, 1.0)
+        # The same fp32 math rounded once differs from the reference only where fp32 reordering noise straddles a
+        # rounding boundary (~1e-4 of the elements); stock's double rounding of s, or y from the unrounded s, stay
+        # within the ulp bounds above but differ in ~26% of the elements (measured on CPU, bf16 and fp16).
+        for name, out, ref in (("s", s, ref_s), ("y", y, ref_y)):
+            differ = int((out != ref).sum())
+            assert differ <= max(1, 0.01 * numel), f"{name}: {differ} of {numel} elements differ from the reference"
+
+    exact_s, exact_y = oracle.sandwich_norm(branch, residual, post, pre, EPS)
+    stock_s, stock_y = oracle.stock_sandwich_norm(branch, residual, post, pre, EPS)
+    oracle.assert_no_worse_than_stock("s", rel_err(s, exact_s), rel_err(stock_s, exact_s),
+                                      oracle.floor(dtype, 1, numel, oracle.condition(s_terms, exact_s)))
+    oracle.assert_no_worse_than_stock("y", rel_err(y, exact_y), rel_err(stock_y, exact_y),
+                                      oracle.floor(dtype, n, numel))
+
+
+def _check_sandwich_backward(grad_sum, grad_normed, branch, residual, post, pre):
+    """Runs the CUDA forward and backward and checks the four gradients: fresh contiguous tensors of the right
+    dtype (empty for a None weight); the reference math on the same CUDA tensors up to fp32 summation order
+    (norm-wise, scaled by the condition numbers); no less accurate than stock against fp64 (condition numbers and
+    floors as in test_ops.py's sandwich property). Returns the gradients."""
+    from g4ops import reference
+
+    dtype, n, numel = branch.dtype, branch.shape[-1], branch.numel()
+    rows = numel // n
+    s, _ = torch.ops.g4ops.sandwich_norm(branch, residual, post, pre, EPS)
+    _poison(numel, dtype)
+    grads = torch.ops.g4ops.sandwich_norm_backward(grad_sum, grad_normed, branch, s, post, pre, EPS, [True, True])
+    names, likes = ("dbranch", "dresidual", "dpost", "dpre"), (branch, residual, post, pre)
+    for name, g, like in zip(names, grads, likes):
+        if like is None:
+            assert g.numel() == 0 and g.dtype == dtype and g.device == branch.device, name
+        else:
+            assert g.dtype == like.dtype and g.shape == like.shape and g.is_contiguous(), name
+
+    ref = reference.sandwich_norm_backward(grad_sum, grad_normed, branch, s, post, pre, EPS, [True, True])
+    exact_s, _ = oracle.sandwich_norm(branch, residual, post, pre, EPS)
+    exact = oracle.sandwich_norm_grads(grad_sum, grad_normed, branch, residual, post, pre, EPS)
+    _, ds_from_y_abs, pre_abs = oracle.rms_norm_abs_terms(grad_normed, exact_s, pre, EPS)
+    _, branch_abs, post_abs = oracle.rms_norm_abs_terms(exact[1], branch, post, EPS)
+    abs_terms = (branch_abs, grad_sum.double().abs() + ds_from_y_abs, post_abs, pre_abs)
+    kappa = [None if a is None else oracle.condition(a, e) for a, e in zip(abs_terms, exact)]
+    # ds's reordering noise reaches dbranch and dpost through a sum of condition kappa (linear in ds)
+    kappa_vs_ref = (kappa[0] * kappa[1], kappa[1], None if post is None else kappa[2] * kappa[1], kappa[3])
+    stock = _stock_sandwich_grads(grad_sum, grad_normed, branch, residual, post, pre)
+    k_of, n_of = (n, n, rows, rows), (numel, numel, n, n)
+    for i, (name, like) in enumerate(zip(names, likes)):
+        if like is None:
+            continue
+        g, out_dtype = grads[i], like.dtype
+        bound = kappa_vs_ref[i] * tolerance(out_dtype, k_of[i], roundings=2)
+        assert rel_err(g, ref[i]) <= bound, f"{name} vs reference"
+        if i < 2 and dtype != torch.float32:
+            # ds stays fp32 and each output is rounded once: reordering noise flips few roundings, while rounding
+            # ds before the post-norm backward (as stock does) changes ~25% of dbranch and of dresidual (CPU)
+            differ = int((g != ref[i]).sum())
+            assert differ <= max(1, 0.02 * numel), f"{name}: {differ} of {numel} elements differ from the reference"
+        # the values the two implementations round differently (s, ds) are in the activation dtype: an fp32 weight
+        # gradient of 16-bit activations carries their rounding noise, not fp32's
+        noise_dtype = out_dtype if TOLERANCE_U[out_dtype] >= TOLERANCE_U[dtype] else dtype
+        oracle.assert_no_worse_than_stock(name, rel_err(g, exact[i]), rel_err(stock[i], exact[i]),
+                                          oracle.floor(noise_dtype, k_of[i], n_of[i], kappa[i]))
+    return grads
+
+
+@pytest.mark.parametrize("wmode", SANDWICH_WEIGHTS)
+@pytest.mark.parametrize("shape", SANDWICH_SHAPES)
+@pytest.mark.parametrize("dtype", LOW_AND_FP32)
+def test_sandwich_norm_forward(dtype, shape, wmode):
+    gen = _gen("sw-fwd", dtype, shape, wmode)
+    branch = make_tensor(shape, dtype, gen, device=DEV, scale=2.0)
+    residual = make_tensor(shape, dtype, gen, device=DEV)
+    post, pre = _sandwich_weights(shape[-1], wmode, dtype, gen)
+    _poison(branch.numel(), dtype)
+    s, y = torch.ops.g4ops.sandwich_norm(branch, residual, post, pre, EPS)
+    _check_sandwich_forward(branch, residual, post, pre, s, y)
+
+
+@pytest.mark.parametrize("wmode", SANDWICH_WEIGHTS)
+@pytest.mark.parametrize("shape", SANDWICH_SHAPES)
+@pytest.mark.parametrize("dtype", LOW_AND_FP32)
+def test_sandwich_norm_backward(dtype, shape, wmode):
+    gen = _gen("sw-bwd", dtype, shape, wmode)
+    branch = make_tensor(shape, dtype, gen, device=DEV, scale=2.0)
+    residual = make_tensor(shape, dtype, gen, device=DEV)
+    post, pre = _sandwich_weights(shape[-1], wmode, dtype, gen)
+    grad_sum, grad_normed = (make_tensor(shape, dtype, gen, device=DEV) for _ in range(2))
+    grads = _check_sandwich_backward(grad_sum, grad_normed, branch, residual, post, pre)
+    # a weight gradient not asked for is an empty tensor, and the other outputs do not change
+    s, _ = torch.ops.g4ops.sandwich_norm(branch, residual, post, pre, EPS)
+    for mask in ([False, True], [True, False], [False, False]):
+        again = torch.ops.g4ops.sandwich_norm_backward(grad_sum, grad_normed, branch, s, post, pre, EPS, mask)
+        assert torch.equal(again[0], grads[0]) and torch.equal(again[1], grads[1]), mask
+        for wanted, w, g, full in zip(mask, (post, pre), again[2:], grads[2:]):
+            if wanted and w is not None:
+                assert torch.equal(g, full), mask
+            else:
+                assert g.numel() == 0 and g.dtype == dtype, mask
+
+
+# a strided layout for each operand: branch / grad_sum take the test's layout, residual / grad_normed another
+_OTHER_LAYOUT = {"sliced": "rowstep", "transposed": "sliced", "rowstep": "transposed"}
+
+
+@pytest.mark.parametrize("layout", tuple(_OTHER_LAYOUT))
+@pytest.mark.parametrize("shape", ((37, 24), (37, 256), (3, 2560), (3, 2562), (2, 19, 256)))
+@pytest.mark.parametrize("dtype", LOW_AND_FP32)
+def test_sandwich_norm_strided(dtype, shape, layout):
+    """Strided inputs (rows through the RowIndexer, 3-D leading dims that do not merge, a non-contiguous last dim
+    copied first): the same checks as the contiguous tests, and bitwise the result of contiguous copies wherever
+    both take the same vector path (a sliced row of 16-byte-multiple width is read by the scalar path)."""
+    other = _OTHER_LAYOUT[layout]
+    gen = _gen("sw-strided", dtype, shape, layout)
+    branch = make_tensor(shape, dtype, gen, layout, DEV, scale=2.0)
+    residual = make_tensor(shape, dtype, gen, other, DEV)
+    grad_sum = make_tensor(shape, dtype, gen, layout, DEV)
+    grad_normed = make_tensor(shape, dtype, gen, other, DEV)
+    assert not branch.is_contiguous() and not residual.is_contiguous()
+    post, pre = _sandwich_weights(shape[-1], "mixed", dtype, gen)
+    s, y = torch.ops.g4ops.sandwich_norm(branch, residual, post, pre, EPS)
+    _check_sandwich_forward(branch, residual, post, pre, s, y)
+    grads = _check_sandwich_backward(grad_sum, grad_normed, branch, residual, post, pre)
+    if shape[-1] % (16 // branch.element_size()) != 0 or "sliced" not in (layout, other):
+        c = [t.contiguous() for t in (grad_sum, grad_normed, branch, residual)]
+        s_c, y_c = torch.ops.g4ops.sandwich_norm(c[2], c[3], post, pre, EPS)
+        assert torch.equal(s, s_c) and torch.equal(y, y_c)
+        grads_c = torch.ops.g4ops.sandwich_norm_backward(c[0], c[1], c[2], s_c, post, pre, EPS, [True, True])
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_c))
+
+
+def test_sandwich_norm_aten_paths():
+    """float64 and gradients of another dtype than branch's run the reference's ATen expressions: bitwise equal to
+    reference.py on the same CUDA tensors."""
+    from g4ops import reference
+
+    gen = _gen("sw-aten")
+    for dtype, gdtype, wdtype in ((torch.float64, torch.float64, torch.float64), (torch.float64, torch.float64, None),
+                                  (torch.bfloat16, torch.float32, torch.float32), (torch.float16, torch.float64,
+                                                                                   torch.float16)):  # fmt: skip
+        branch = make_tensor((5, 72), dtype, gen, "sliced", DEV, scale=2.0)
+        residual = make_tensor((5, 72), dtype, gen, device=DEV)
+        post = None if wdtype is None else make_tensor((72,), wdtype, gen, device=DEV) + 1.0
+        pre = make_tensor((72,), dtype, gen, device=DEV) + 1.0
+        out = torch.ops.g4ops.sandwich_norm(branch, residual, post, pre, EPS)
+        if dtype == torch.float64:
+            want = reference.sandwich_norm(branch, residual, post, pre, EPS)
+            assert all(torch.equal(a, b) for a, b in zip(out, want))
+        s = out[0]
+        grad_sum, grad_normed = (make_tensor((5, 72), gdtype, gen, device=DEV) for _ in range(2))
+        got = torch.ops.g4ops.sandwich_norm_backward(grad_sum, grad_normed, branch, s, post, pre, EPS, [True, True])
+        want = reference.sandwich_norm_backward(grad_sum, grad_normed, branch, s, post, pre, EPS, [True, True])
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (dtype, gdtype, i)
+
+
+@pytest.mark.parametrize("shape, dtype", (((3, 8192), torch.bfloat16), ((2, 6144), torch.float32),
+                                          ((2, 70000), torch.bfloat16)))  # fmt: skip
+def test_sandwich_norm_wide_rows(shape, dtype):
+    """Rows at the edge of the register-cached backward (8192 bf16 at four vectors per thread, 6144 fp32) and far
+    past it (70000: the ATen path): same checks."""
+    gen = _gen("sw-wide", shape, dtype)
+    branch = make_tensor(shape, dtype, gen, device=DEV, scale=2.0)
+    residual = make_tensor(shape, dtype, gen, device=DEV)
+    post, pre = _sandwich_weights(shape[-1], "same", dtype, gen)
+    s, y = torch.ops.g4ops.sandwich_norm(branch, residual, post, pre, EPS)
+    _check_sandwich_forward(branch, residual, post, pre, s, y)
+    grad_sum, grad_normed = (make_tensor(shape, dtype, gen, device=DEV) for _ in range(2))
+    _check_sandwich_backward(grad_sum, grad_normed, branch, residual, post, pre)
+
+
+@pytest.mark.parametrize("wmode", ("same", "mixed"))
+def test_sandwich_norm_deterministic(wmode):
+    """Per-CTA partials + a fixed-order second pass: at E4B shape every output, both weight gradients included, is
+    bitwise the same in two runs."""
+    gen = _gen("sw-det", wmode)
+    shape, dtype = (4096, 2560), torch.bfloat16
+    branch = make_tensor(shape, dtype, gen, device=DEV, scale=2.0)
+    residual = make_tensor(shape, dtype, gen, device=DEV)
+    post, pre = _sandwich_weights(shape[-1], wmode, dtype, gen)
+    grad_sum, grad_normed = (make_tensor(shape, dtype, gen, device=DEV) for _ in range(2))
+    first = _check_sandwich_backward(grad_sum, grad_normed, branch, residual, post, pre)
+    s, y = torch.ops.g4ops.sandwich_norm(branch, residual, post, pre, EPS)
+    s2, y2 = torch.ops.g4ops.sandwich_norm(branch, residual, post, pre, EPS)
+    assert torch.equal(s, s2) and torch.equal(y, y2)
+    second = torch.ops.g4ops.sandwich_norm_backward(grad_sum, grad_normed, branch, s, post, pre, EPS, [True, True])
+    for i, (a, b) in enumerate(zip(first, second)):
+        assert torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("rows", (1, 37, 2049))
+def test_sandwich_norm_cuda_graph(rows):
+    """Forward and backward (weight-gradient second pass and the weight conversion included) captured in one graph:
+    replays on new inputs equal eager calls bitwise."""
+    gen = _gen("sw-graph", rows)
+    shape, dt = (rows, 2560), torch.bfloat16
+    branch, residual, grad_sum, grad_normed = (make_tensor(shape, dt, gen, device=DEV) for _ in range(4))
+    post, pre = _sandwich_weights(shape[-1], "mixed", dt, gen)
+
+    def step():
+        s, y = torch.ops.g4ops.sandwich_norm(branch, residual, post, pre, EPS)
+        grads = torch.ops.g4ops.sandwich_norm_backward(grad_sum, grad_normed, branch, s, post, pre, EPS, [True, True])
+        return (s, y, *grads)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for _ in range(2):
+        for t in (branch, residual, grad_sum, grad_normed):
+            t.copy_(make_tensor(shape, dt, gen, device=DEV))
+        graph.replay()
+        eager = step()
+        for i, (s, e) in enumerate(zip(static_out, eager)):
+            assert torch.equal(s, e), i
+
+
+def test_sandwich_norm_autograd_e4b():
+    """Through the public op and autograd at E4B hidden size: autograd calls the CUDA backward op (bitwise its
+    direct result), whose gradients are checked against the reference, fp64 and stock."""
+    gen = _gen("sw-autograd")
+    shape, dt = (64, 2560), torch.bfloat16
+    branch = make_tensor(shape, dt, gen, device=DEV, scale=2.0)
+    residual = make_tensor(shape, dt, gen, device=DEV)
+    post, pre = _sandwich_weights(shape[-1], "same", dt, gen)
+    grad_sum, grad_normed = (make_tensor(shape, dt, gen, device=DEV) for _ in range(2))
+    leaves = [t.detach().requires_grad_(True) for t in (branch, residual, post, pre)]
+    s, y = g4ops.sandwich_norm(*leaves, EPS)
+    grads = torch.autograd.grad((s, y), leaves, (grad_sum, grad_normed))
+    direct = _check_sandwich_backward(grad_sum, grad_normed, branch, residual, post, pre)
+    for i, (a, b) in enumerate(zip(grads, direct)):
+        assert torch.equal(a, b), i
+
+
+def test_sandwich_norm_empty():
+    x = torch.randn(0, 64, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(64, device=DEV)
+    s, y = torch.ops.g4ops.sandwich_norm(x, x, w, None, EPS)
+    assert s.shape == (0, 64) and y.shape == (0, 64)
+    grads = torch.ops.g4ops.sandwich_norm_backward(x, x, x, x, w, None, EPS, [True, True])
+    assert grads[0].shape == (0, 64) and grads[1].shape == (0, 64)
+    assert torch.equal(grads[2], torch.zeros_like(w)) and grads[3].numel() == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # opcheck, CUDA graphs, torch.compile
 
 
@@ -359,6 +668,11 @@ def _opcheck_cases():
         (torch.ops.g4ops.geglu_mlp_forward.default, (x.detach(), wg.detach(), wu, wd)),
         (torch.ops.g4ops.geglu_mlp_backward.default, (dy, x.detach(), gate, up, wg.detach(), wu, wd,
                                                       [True, True, False, True])),
+        (torch.ops.g4ops.sandwich_norm.default, (x.detach().requires_grad_(), dy.detach().requires_grad_(), w.detach(),
+                                                 w.detach().requires_grad_(), EPS)),
+        (torch.ops.g4ops.sandwich_norm.default, (xb, xb.contiguous(), wb, None, EPS)),
+        (torch.ops.g4ops.sandwich_norm_backward.default, (dy.detach(), x.detach(), x.detach(), dy.detach(), w.detach(),
+                                                          None, EPS, [True, False])),
     ]
 
 
@@ -440,7 +754,17 @@ def _bad_cases():
     wg = lambda: torch.randn(96, 64, device=DEV)  # noqa: E731
     wd = lambda: torch.randn(64, 96, device=DEV)  # noqa: E731
     rms, rmsb, mlp = torch.ops.g4ops.rms_norm, torch.ops.g4ops.rms_norm_backward, torch.ops.g4ops.geglu_mlp
+    sw, swb = torch.ops.g4ops.sandwich_norm, torch.ops.g4ops.sandwich_norm_backward
     return {
+        "sw_int_branch": (TypeError, "`branch`", lambda: sw(x().int(), x(), w(), w(), EPS)),
+        "sw_residual_shape": (RuntimeError, "`residual`", lambda: sw(x(), torch.randn(4, 63, device=DEV), None, None,
+                                                                     EPS)),
+        "sw_residual_dtype": (RuntimeError, "`residual`", lambda: sw(x(), x().bfloat16(), None, None, EPS)),
+        "sw_pre_weight_len": (RuntimeError, "`pre_weight`", lambda: sw(x(), x(), w(), torch.randn(63, device=DEV),
+                                                                       EPS)),
+        "sw_post_weight_cpu": (RuntimeError, "`post_weight`", lambda: sw(x(), x(), torch.randn(64), None, EPS)),
+        "swb_grad_normed_shape": (RuntimeError, "`grad_normed`", lambda: swb(x(), torch.randn(4, 63, device=DEV), x(),
+                                                                             x(), w(), w(), EPS, [True, True])),
         "rms_int_x": (TypeError, "`x`", lambda: rms(x().int(), w(), EPS)),
         "rms_weight_len": (RuntimeError, "`weight`", lambda: rms(x(), torch.randn(63, device=DEV), EPS)),
         "rms_weight_cpu": (RuntimeError, "`weight`", lambda: rms(x(), torch.randn(64), EPS)),
