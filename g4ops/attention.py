@@ -7,12 +7,12 @@ transformers, so they cost O(L^2) although only a 512-token window is visible. H
 against the keys it can see (causal: up to the chunk's last row; sliding: the window), so sliding layers cost
 O(L * window), and the GEMMs run on cuBLAS at any head_dim.
 
-Measured on the H200 (bench/results/2026-11-29-h200-attention.md): faster than stock on the full layers (compiled
-fwd+bwd at 2048 tokens 2.06 vs 7.05 ms), slower than cuDNN on the sliding layers (so `g4ops.enable(model,
-attention=True)` keeps those on stock), and in bf16 up to 1.25x stock's error vs fp64 (so it is opt-in). That bf16
-gap came from rounding P and dS to bf16 and from the backward's rowsum(dO * O) on the bf16 output (the CPU run of
-that arithmetic reproduces the H200 errors to 3 digits); both are fixed below, and on CPU the errors now equal stock
-SDPA MATH's. Not yet re-measured on the GPU.
+Measured on the H200 (bench/results/2026-11-29-h200-attention.md, -session3-decode.md), fwd+bwd at 2048 tokens,
+bf16: on a full layer under torch.compile 2.30 vs 7.20 ms for stock, with a smaller error vs fp64 than stock's
+(dq 1.66e-3 vs 6.33e-3: stock's MATH backend rounds its fp32 result, P included, before the backward GEMMs); in
+eager 0.80x stock (8.42 vs 6.72 ms). Sliding layers: slower than cuDNN, so `g4ops.enable(model, attention=True)`
+keeps those on stock. A first version rounded P and dS to bf16 for their GEMMs and took the backward's
+rowsum(dO * O) from the bf16 output, and was up to 1.25x stock's error; both are fixed below.
 
 Semantics (what `attention` returns is softmax(scale * q k^T + mask) v, per query head):
 - query [B, Hq, L, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv], L <= S; query head h reads kv head h // (Hq / Hkv)

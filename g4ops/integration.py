@@ -503,8 +503,8 @@ def _maybe_build_kernels() -> None:
 def enable(model: nn.Module | None = None, attention: bool = False, decode: bool = True) -> _Patches:
     """Patch every Gemma-4 norm/MLP (and the causal-LM loss) class, or only the modules of `model`; register the
     "g4ops" attention implementation, and with `model` and `attention=True`, switch its Gemma-4 text attention from
-    "sdpa" to it. Opt-in, because on the H200 (2026-11-29) it beat stock only on the full-attention layers and
-    was up to 1.25x less accurate than stock's bf16 SDPA there (bench/results/2026-11-29-h200-attention.md).
+    "sdpa" to it. Opt-in, because on the H200 (2026-11-29) it beat stock only on the full-attention layers and only
+    under torch.compile (3.1x there, 0.8x in eager; g4ops.attention's docstring has the numbers).
 
     `decode`: route eligible `generate()` calls of Gemma4ForCausalLM to g4ops.decode.GreedyDecoder (module docstring).
 
