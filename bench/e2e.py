@@ -32,17 +32,22 @@ Parts (`--parts`, comma-separated; default all):
           g4ops top-1/top-2 logit margins there. fp32 (`--fp32-layers` layers): greedy tokens of g4ops identical to
           stock's. Both dtypes also check GreedyDecoder's tokens against stock (graph_decoder rows).
 
-On the lent GPU (10-minute calls), split the run; stock's static-cache compile alone takes about 200 s at 42 layers:
+On the lent GPU (10-minute calls), split the run; stock's static-cache compile alone takes about 200 s at 42 layers.
+Time each `generate` decode variant in its own process: on the H200 a 42-layer g4ops `generate` ran at 0.09x when a
+compiled 42-layer stock model had run before it in the same process, and at stock's speed alone
+(bench/results/2026-11-29-h200-session3-decode.md; not explained yet):
     python bench/e2e.py --parts train --seqs 2048 --json $OUT/e2e_train2k.json
     python bench/e2e.py --parts train --seqs 8192 --json $OUT/e2e_train8k.json
-    python bench/e2e.py --parts decode --batches 1 --json $OUT/e2e_decode1.json       # then --batches 4
-    python bench/e2e.py --parts decode --batches 1 --decode-variants g4ops            # g4ops' own time from start
+    python bench/e2e.py --parts decode --batches 1 --decode-variants stock --json $OUT/e2e_decode1_stock.json
+    python bench/e2e.py --parts decode --batches 1 --decode-variants g4ops --json $OUT/e2e_decode1_g4ops.json
+    python bench/e2e.py --parts decode --batches 1 --decode-variants stock-graph-compile,g4ops-graph-compile
     python bench/e2e.py --parts parity --json $OUT/e2e_parity.json
 Liger-Kernel is measured where `import liger_kernel` works (0.8.5 has `apply_liger_kernel_to_gemma4_text`, used
 here); otherwise its rows say why they are missing.
 
 Every model is rebuilt from the same seed for each variant (a full E4B builds on the GPU in about a second), so
-variants do not share compiled state, patched modules or optimizer memory. The table goes to stdout, all numbers to
+variants do not share patched modules or optimizer memory; dynamo's caches are reset between variants, which did
+not isolate the decode variants above. The table goes to stdout, all numbers to
 `--json`.
 """
 
