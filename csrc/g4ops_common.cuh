@@ -371,6 +371,35 @@ at::Tensor inverse_rms_aten(const at::Tensor& x_acc, double eps) {
   return at::pow(x_acc.pow(2).mean(-1, /*keepdim=*/true) + eps, -0.5);
 }
 
+// rms_norm before its rounding, in the accumulation dtype (reference._normalized).
+at::Tensor normalized_aten(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
+  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor x_acc = x.to(acc);
+  at::Tensor y = x_acc * inverse_rms_aten(x_acc, eps);
+  if (weight.has_value()) y = y * weight->to(acc);
+  return y;
+}
+
+// reference._rms_norm_backward_acc: (grad_x in the accumulation dtype, grad_w in the weight's dtype or empty).
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_acc_aten(const at::Tensor& dy_in, const at::Tensor& x,
+                                                              const std::optional<at::Tensor>& weight, double eps,
+                                                              bool weight_grad) {
+  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor x_acc = x.to(acc);
+  const at::Tensor inv = inverse_rms_aten(x_acc, eps);
+  const at::Tensor x_hat = x_acc * inv;
+  const at::Tensor dy = dy_in.to(acc);
+  const at::Tensor dy_w = weight.has_value() ? dy * weight->to(acc) : dy;
+  const at::Tensor grad_x = inv * (dy_w - x_hat * (dy_w * x_hat).mean(-1, /*keepdim=*/true));
+  at::Tensor grad_w;
+  if (weight.has_value() && weight_grad) {
+    grad_w = (dy * x_hat).reshape({-1, x.size(-1)}).sum(0).to(weight->scalar_type());
+  } else {
+    grad_w = at::empty({0}, x.options());
+  }
+  return {grad_x, grad_w};
+}
+
 // Prepares a row operand: last dim contiguous and at most kMaxRowDims coalesced leading dims, else contiguous().
 at::Tensor rows_operand(const at::Tensor& t, RowIndexer& ri) {
   if (t.stride(-1) == 1 || t.size(-1) == 1) {

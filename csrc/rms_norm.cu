@@ -226,29 +226,13 @@ int pick_vec(const at::Tensor& x, const RowIndexer& xi, const at::Tensor* x2, co
 // ATen path: float64 and very wide rows. Same expressions as reference.py.
 
 at::Tensor rms_norm_aten(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
-  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor x_acc = x.to(acc);
-  at::Tensor y = x_acc * inverse_rms_aten(x_acc, eps);
-  if (weight.has_value()) y = y * weight->to(acc);
-  return y.to(x.scalar_type()).contiguous();
+  return normalized_aten(x, weight, eps).to(x.scalar_type()).contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_aten(const at::Tensor& grad_out, const at::Tensor& x,
                                                           const std::optional<at::Tensor>& weight, double eps,
                                                           bool weight_grad) {
-  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor x_acc = x.to(acc);
-  const at::Tensor inv = inverse_rms_aten(x_acc, eps);
-  const at::Tensor x_hat = x_acc * inv;
-  const at::Tensor dy = grad_out.to(acc);
-  const at::Tensor dy_w = weight.has_value() ? dy * weight->to(acc) : dy;
-  const at::Tensor grad_x = inv * (dy_w - x_hat * (dy_w * x_hat).mean(-1, /*keepdim=*/true));
-  at::Tensor grad_w;
-  if (weight.has_value() && weight_grad) {
-    grad_w = (dy * x_hat).reshape({-1, x.size(-1)}).sum(0).to(weight->scalar_type());
-  } else {
-    grad_w = at::empty({0}, x.options());
-  }
+  auto [grad_x, grad_w] = rms_norm_backward_acc_aten(grad_out, x, weight, eps, weight_grad);
   return {grad_x.to(x.scalar_type()).contiguous(), grad_w};
 }
 

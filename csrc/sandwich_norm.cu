@@ -289,16 +289,8 @@ __global__ void sandwich_norm_bwd_kernel(const T* __restrict__ grad_sum,        
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// ATen path: float64, very wide rows, gradients of another dtype. Same expressions as reference.py.
-
-// rms_norm before its rounding, in the accumulation dtype (reference._normalized).
-at::Tensor normalized_aten(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
-  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor x_acc = x.to(acc);
-  at::Tensor y = x_acc * inverse_rms_aten(x_acc, eps);
-  if (weight.has_value()) y = y * weight->to(acc);
-  return y;
-}
+// ATen path: float64, very wide rows, gradients of another dtype. Same expressions as reference.py (the rms_norm
+// pieces, normalized_aten and rms_norm_backward_acc_aten, are in g4ops_common.cuh).
 
 std::tuple<at::Tensor, at::Tensor> sandwich_norm_aten(const at::Tensor& branch, const at::Tensor& residual,
                                                       const std::optional<at::Tensor>& post_weight,
@@ -309,25 +301,6 @@ std::tuple<at::Tensor, at::Tensor> sandwich_norm_aten(const at::Tensor& branch, 
   return {s, y};
 }
 
-// reference._rms_norm_backward_acc: (grad_x in the accumulation dtype, grad_w in the weight's dtype or empty).
-std::tuple<at::Tensor, at::Tensor> rms_norm_backward_acc_aten(const at::Tensor& dy_in, const at::Tensor& x,
-                                                              const std::optional<at::Tensor>& weight, double eps,
-                                                              bool weight_grad) {
-  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor x_acc = x.to(acc);
-  const at::Tensor inv = inverse_rms_aten(x_acc, eps);
-  const at::Tensor x_hat = x_acc * inv;
-  const at::Tensor dy = dy_in.to(acc);
-  const at::Tensor dy_w = weight.has_value() ? dy * weight->to(acc) : dy;
-  const at::Tensor grad_x = inv * (dy_w - x_hat * (dy_w * x_hat).mean(-1, /*keepdim=*/true));
-  at::Tensor grad_w;
-  if (weight.has_value() && weight_grad) {
-    grad_w = (dy * x_hat).reshape({-1, x.size(-1)}).sum(0).to(weight->scalar_type());
-  } else {
-    grad_w = at::empty({0}, x.options());
-  }
-  return {grad_x, grad_w};
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sandwich_norm_backward_aten(
     const at::Tensor& grad_sum, const at::Tensor& grad_normed, const at::Tensor& branch, const at::Tensor& s,
