@@ -5,6 +5,9 @@ ceilings measured in the same run (device-to-device copy bandwidth, bf16 matmul 
 
 Rows (bf16, hidden 2560, intermediate 10240, eps 1e-6):
   RMSNorm fwd 4096 x 2560 and 16384 x 2560; RMSNorm fwd+bwd with weight grad 16384 x 2560;
+  sandwich norms (post-norm, residual add, next pre-norm) fwd and fwd+bwd 16384 x 2560: stock's two modules and a
+  `+` (eager, compiled), g4ops' rms_norm twice with the add between (what enable() ran before sandwich_norm), and
+  g4ops.sandwich_norm;
   gelu_tanh(g) * u fwd 16384 x 10240; MLP fwd at 1 / 4 / 64 / 4096 tokens; MLP fwd+bwd at 4096 tokens;
   per-call eager overhead at 1 token (norm and MLP) next to aten's F.rms_norm.
 Every implementation is checked against an fp64 oracle before it is timed (a row that fails says WRONG).
@@ -175,6 +178,34 @@ class _G4Norm(torch.nn.Module):
         return g4ops.rms_norm(x, self.weight, EPS)
 
 
+class _Sandwich(torch.nn.Module):
+    """(s, y) = (residual + post(branch), pre(s)) with the given implementation: "stock" (Gemma4RMSNorm modules and
+    a `+`), "g4ops-unfused" (g4ops.rms_norm twice) or "g4ops" (one g4ops.sandwich_norm)."""
+
+    def __init__(self, kind: str, post_w: torch.Tensor, pre_w: torch.Tensor):
+        super().__init__()
+        self.kind = kind
+        self.post, self.pre = stock_norm(post_w), stock_norm(pre_w)  # the weights live here for every kind
+
+    def forward(self, branch, residual):
+        if self.kind == "g4ops":
+            return g4ops.sandwich_norm(branch, residual, self.post.weight, self.pre.weight, EPS)
+        if self.kind == "g4ops-unfused":
+            s = residual + g4ops.rms_norm(branch, self.post.weight, EPS)
+            return s, g4ops.rms_norm(s, self.pre.weight, EPS)
+        s = residual + self.post(branch)
+        return s, self.pre(s)
+
+
+def sandwich_impls(post_w, pre_w):
+    return {
+        "stock eager": _Sandwich("stock", post_w, pre_w),
+        "stock compile": torch.compile(_Sandwich("stock", post_w, pre_w), dynamic=False),
+        "g4ops unfused": _Sandwich("g4ops-unfused", post_w, pre_w),
+        "g4ops": _Sandwich("g4ops", post_w, pre_w),
+    }
+
+
 class StockMLP(torch.nn.Module):
     """Gemma4TextMLP's forward: down(gelu_tanh(gate(x)) * up(x))."""
 
@@ -325,6 +356,48 @@ def bench_norm_fwd_bwd(t: Table, lk, rows: int):
         t.add(f"rmsnorm fwd+bwd {rows}x{HIDDEN}", name, us, bytes_=bytes_, err=err, ok=check(err))
 
 
+def _sandwich_inputs(rows: int):
+    branch, residual = (torch.randn(rows, HIDDEN, device=DEV, dtype=DT) for _ in range(2))
+    post_w, pre_w = ((torch.rand(HIDDEN, device=DEV) + 0.5).to(DT) for _ in range(2))
+    return branch, residual, post_w, pre_w
+
+
+def bench_sandwich_fwd(t: Table, rows: int):
+    branch, residual, post_w, pre_w = _sandwich_inputs(rows)
+    ref_s = residual.double() + oracle_norm(branch, post_w)
+    ref_y = oracle_norm(ref_s, pre_w)
+    bytes_ = 4 * branch.numel() * branch.element_size() + 2 * post_w.numel() * post_w.element_size()
+    for name, mod in sandwich_impls(post_w, pre_w).items():
+        with torch.no_grad():
+            s, y = mod(branch, residual)
+            err = max(rel_err(s, ref_s), rel_err(y, ref_y))
+            us = time_events(lambda: mod(branch, residual))
+        t.add(f"sandwich fwd {rows}x{HIDDEN}", name, us, bytes_=bytes_, err=err, ok=check(err))
+
+
+def bench_sandwich_fwd_bwd(t: Table, rows: int):
+    branch, residual, post_w, pre_w = _sandwich_inputs(rows)
+    grad_s, grad_y = torch.randn_like(branch), torch.randn_like(branch)
+    # fp64 gradients by autograd through the fp64 formula
+    b64, r64, wp64, wq64 = (v.double().requires_grad_() for v in (branch, residual, post_w, pre_w))
+    s64 = r64 + oracle_norm(b64, wp64)
+    torch.autograd.backward((s64, oracle_norm(s64, wq64)), (grad_s.double(), grad_y.double()))
+    refs = (b64.grad, r64.grad, wp64.grad, wq64.grad)
+    # floor: fwd reads branch, residual, writes s, y; bwd reads grad_s, grad_y, branch, s, writes two grads
+    bytes_ = 10 * branch.numel() * branch.element_size() + 4 * post_w.numel() * post_w.element_size()
+    for name, mod in sandwich_impls(post_w, pre_w).items():
+        b, r = (v.detach().clone().requires_grad_(True) for v in (branch, residual))
+        weights = (mod.post.weight, mod.pre.weight)  # (a compiled module forwards attribute reads to the original)
+
+        def step():
+            torch.autograd.backward(mod(b, r), (grad_s, grad_y))
+
+        step()
+        err = max(rel_err(g, ref) for g, ref in zip((b.grad, r.grad, *(w.grad for w in weights)), refs))
+        us = time_events(step, grads=(b, r, *weights))
+        t.add(f"sandwich fwd+bwd {rows}x{HIDDEN}", name, us, bytes_=bytes_, err=err, ok=check(err))
+
+
 def bench_gelu_mul(t: Table, lk, rows: int):
     g = torch.randn(rows, INTER, device=DEV, dtype=DT)
     u = torch.randn(rows, INTER, device=DEV, dtype=DT)
@@ -449,6 +522,8 @@ def main() -> int:
     bench_norm_fwd(t, lk, 16384)
     bench_norm_fwd(t, lk, 4096)
     bench_norm_fwd_bwd(t, lk, 16384)
+    bench_sandwich_fwd(t, 16384)
+    bench_sandwich_fwd_bwd(t, 16384)
     if not args.quick:
         bench_gelu_mul(t, lk, 16384)
     torch.cuda.empty_cache()
