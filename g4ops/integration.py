@@ -7,6 +7,10 @@ This is the only module that knows transformers' Gemma-4 class names and quirks 
   bias, hooks or an instance-level forward. A projection wrapped by peft (LoRA), replaced by a quantized layer,
   sharded as a DTensor or hooked by accelerate keeps the stock forward, so an adapter is never silently bypassed.
   The double-wide MLP of E2B's KV-shared layers is just a wider weight.
+- `Gemma4TextDecoderLayer.forward` -> stock's layer code with its middle (post_attention_layernorm, the residual add,
+  pre_feedforward_layernorm) as one `g4ops.sandwich_norm`. Only for the signature it knows (5.6 to 5.24: the cache
+  argument is `past_key_values` or `cache`), without MoE, and when both norms compute Gemma4RMSNorm unhooked;
+  otherwise the layer runs its stock forward (whose norms still use g4ops.rms_norm).
 
 - Attention (opt-in): `enable()` registers a "g4ops" attention implementation with transformers' AttentionInterface
   and AttentionMaskInterface (`from_pretrained(..., attn_implementation="g4ops")` then works), and
