@@ -18,7 +18,7 @@ Parts (`--parts`, comma-separated; default all):
           is timed. Reported: tok/s of the timed call (batch x new tokens / seconds, prefill included); the warm-up's
           wall time (compilation included); for stock, the first fast token of the warm-up (the first of 8
           consecutive tokens each under 1.5x the timed per-token time, from a streamer's timestamps) and the seconds
-          from process start to it (the first variant of the run also pays the imports and CUDA init); for the
+          from process start to it (each variant runs in its own process on CUDA, see below); for the
           others, the end of the warm-up's capture or call (an upper bound: a streamer would make the routed
           generate fall back to stock).
   train   full finetune step (fwd + bwd; and fwd + bwd + AdamW) at 1 x `--seqs` tokens, for each of `--variants`:
@@ -33,14 +33,13 @@ Parts (`--parts`, comma-separated; default all):
           stock's. Both dtypes also check GreedyDecoder's tokens against stock (graph_decoder rows).
 
 On the lent GPU (10-minute calls), split the run; stock's static-cache compile alone takes about 200 s at 42 layers.
-Time each `generate` decode variant in its own process: on the H200 a 42-layer g4ops `generate` ran at 0.09x when a
-compiled 42-layer stock model had run before it in the same process, and at stock's speed alone
-(bench/results/2026-11-29-h200-session3-decode.md; not explained yet):
+On CUDA every decode variant and batch size runs in its own child process (`--decode-processes each`, the default
+there): on the H200 a 42-layer g4ops `generate` ran at 0.09x when a compiled 42-layer stock model had run before it
+in the same process, and at stock's speed alone (bench/results/2026-11-29-h200-session3-decode.md; not explained
+yet). Stock's 200 s compile and ours still share one 10-minute call only at one batch size:
     python bench/e2e.py --parts train --seqs 2048 --json $OUT/e2e_train2k.json
     python bench/e2e.py --parts train --seqs 8192 --json $OUT/e2e_train8k.json
-    python bench/e2e.py --parts decode --batches 1 --decode-variants stock --json $OUT/e2e_decode1_stock.json
-    python bench/e2e.py --parts decode --batches 1 --decode-variants g4ops --json $OUT/e2e_decode1_g4ops.json
-    python bench/e2e.py --parts decode --batches 1 --decode-variants stock-graph-compile,g4ops-graph-compile
+    python bench/e2e.py --parts decode --batches 1 --decode-variants stock,g4ops --json $OUT/e2e_decode1.json
     python bench/e2e.py --parts parity --json $OUT/e2e_parity.json
 Liger-Kernel is measured where `import liger_kernel` works (0.8.5 has `apply_liger_kernel_to_gemma4_text`, used
 here); otherwise its rows say why they are missing.
@@ -187,6 +186,52 @@ def first_fast_token(times: list[float], fast_gap: float, run: int = 8) -> int |
 
 
 def bench_decode(args, results):
+    if args.decode_processes == "each" and len(args.batches) * len(args.decode_variants) > 1:
+        rows = [row for batch in args.batches for variant in args.decode_variants
+                for row in decode_in_child(args, batch, variant)]  # fmt: skip
+    else:
+        rows = decode_rows(args)
+    for batch in args.batches:
+        by_variant = {r["variant"]: r for r in rows if r["batch"] == batch and "tok_s" in r}
+        stock = by_variant.get("stock")
+        for name, row in by_variant.items():
+            if stock is not None and name != "stock":
+                row["speedup_vs_stock"] = row["tok_s"] / stock["tok_s"]
+                row["same_tokens_head"] = row["tokens_head"] == stock["tokens_head"]
+    results["decode"] = rows
+
+
+def decode_in_child(args, batch: int, variant: str) -> list[dict]:
+    """One decode variant at one batch size in a fresh Python process (`--decode-processes each`): on the H200 a
+    42-layer g4ops `generate` ran at 0.09x after a compiled stock model in the same process, and at stock's speed
+    alone (bench/results/2026-11-29-h200-session3-decode.md). Its "from process start" times are its own."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/decode.json"
+        cmd = [sys.executable, __file__, "--parts", "decode", "--decode-processes", "shared", "--json", out,
+               "--batches", str(batch), "--decode-variants", variant, "--device", args.device, "--shape", args.shape,
+               "--dtype", args.dtype, "--prompt-len", str(args.prompt_len), "--decode-tokens", str(args.decode_tokens),
+               "--seed", str(args.seed)]  # fmt: skip
+        if args.layers is not None:
+            cmd += ["--layers", str(args.layers)]
+        code = subprocess.run(cmd).returncode
+        try:
+            with open(out) as f:
+                child = json.load(f)
+        except (OSError, ValueError):
+            child = {}
+    rows = child.get("decode") or [dict(part="decode", variant=variant, batch=batch, new_tokens=args.decode_tokens,
+                                        error=child.get("errors", {}).get("decode", f"child process exit {code}"))]
+    for row in rows:
+        row["process"] = "own"
+    return rows
+
+
+def decode_rows(args) -> list[dict]:
+    """Every decode variant at every batch size, in this process."""
     rows = []
     for batch in args.batches:
         prompt = random_ids(args, batch, args.prompt_len, seed=args.seed + 100 + batch)
@@ -239,14 +284,7 @@ def bench_decode(args, results):
                 free(args.device)
             rows.append(row)
             print_row(row)
-    for batch in args.batches:
-        by_variant = {r["variant"]: r for r in rows if r["batch"] == batch and "tok_s" in r}
-        stock = by_variant.get("stock")
-        for name, row in by_variant.items():
-            if stock is not None and name != "stock":
-                row["speedup_vs_stock"] = row["tok_s"] / stock["tok_s"]
-                row["same_tokens_head"] = row["tokens_head"] == stock["tokens_head"]
-    results["decode"] = rows
+    return rows
 
 
 def decode_graphed(args, model, prompt, compile_step: bool) -> dict:
@@ -540,6 +578,9 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default="1,4", help="decode batch sizes")
     ap.add_argument("--decode-variants", default="stock,g4ops,g4ops-graph,g4ops-graph-compile",
                     help=f"decode, any of {DECODE_VARIANTS} (one alone in a fresh process gives its own time from start)")
+    ap.add_argument("--decode-processes", choices=["each", "shared"], default=None,
+                    help="decode: each variant and batch size in its own Python process (default on CUDA), or all in "
+                         "this one (default on CPU)")
     ap.add_argument("--seqs", default="2048,8192", help="train sequence lengths (batch 1)")
     ap.add_argument("--g4ops-attention", action="store_true",
                     help="train: the g4ops variants also run g4ops attention (enable(model, attention=True))")
@@ -565,6 +606,8 @@ def parse_args(argv=None):
         if args.device == "cpu":
             # tiny GEMMs: OpenMP threads only add barrier waits (seen: 10 s instead of 0.06 s on a busy 2-core box)
             torch.set_num_threads(1)
+    if args.decode_processes is None:
+        args.decode_processes = "each" if args.device.startswith("cuda") else "shared"
     args.parts = [p for p in args.parts.split(",") if p]
     args.variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in args.variants if v not in VARIANTS]

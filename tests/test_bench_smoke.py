@@ -45,6 +45,16 @@ def test_e2e_smoke(tmp_path):
     assert parity["fp32_greedy"]["identical"] is True
 
 
+def test_e2e_decode_variants_in_their_own_processes(tmp_path):
+    """--decode-processes each (the CUDA default): one child process per variant, rows merged and compared."""
+    out = tmp_path / "e2e.json"
+    _run(["bench/e2e.py", "--device", "cpu", "--shape", "tiny-e4b", "--smoke", "--parts", "decode",
+          "--decode-variants", "stock,g4ops", "--decode-processes", "each", "--json", str(out)], tmp_path)  # fmt: skip
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["decode"]}
+    assert set(rows) == {"stock", "g4ops"} and all(r["process"] == "own" and r["tok_s"] > 0 for r in rows.values())
+    assert rows["g4ops"]["same_tokens_head"] is True and rows["g4ops"]["speedup_vs_stock"] > 0
+
+
 @pytest.mark.slow
 def test_fsdp2_smoke(tmp_path):
     out = tmp_path / "fsdp2.json"
