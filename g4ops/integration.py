@@ -126,14 +126,14 @@ def _layer_params(stock_forward) -> tuple[list[str], dict] | None:
 
 def _runs_gemma_norm(norm, hf) -> bool:
     """The module computes Gemma4RMSNorm as stock or our patch does: no hooks, no foreign forward, a plain weight."""
-    forward = vars(norm).get("forward")
+    forward, weight = vars(norm).get("forward"), _norm_weight(norm)
     return (
         isinstance(norm, hf.Gemma4RMSNorm)
         and _stock_forward_of(type(norm)) is _stock_forward_of(hf.Gemma4RMSNorm)
         and (forward is None or hasattr(getattr(forward, "__func__", None), _MARK))
         and not norm._forward_hooks
         and not norm._forward_pre_hooks
-        and (_norm_weight(norm) is None or _is_plain_tensor(_norm_weight(norm)))
+        and (weight is None or _is_plain_tensor(weight))
     )
 
 
