@@ -26,7 +26,8 @@ Parts (`--parts`, comma-separated; default all):
           importable), g4ops (eager, `g4ops.enable()`), g4ops-compile. Reported: tok/s (median step), peak memory
           (max_memory_allocated, params and grads included), the first loss (checked against stock eager's before
           any timing counts). A variant that runs out of memory is reported as OOM and the run goes on.
-          `--g4ops-attention`: the g4ops variants also run g4ops attention (`enable(model, attention=True)`).
+          `--g4ops-attention`: the g4ops variants also run g4ops attention (`enable(model, attention=True)`);
+          `--sliding stock` keeps its sliding layers on stock SDPA instead of FlexAttention (compiled CUDA only).
   parity  bf16: stock greedy decode of `--parity-tokens`, then teacher-forced top-1 agreement of g4ops with stock
           over that sequence; g4ops' own greedy decode and its first divergence from stock, with the stock and
           g4ops top-1/top-2 logit margins there. fp32 (`--fp32-layers` layers): greedy tokens of g4ops identical to
@@ -325,6 +326,8 @@ def train_variant(args, variant: str, seq: int, optimizer: str, ids: torch.Tenso
             state["model"] = model = model_for(args).train()
             if use_g4ops and args.g4ops_attention:
                 g4ops.enable(model, attention=True)  # also switch its attention to g4ops' implementation
+                g4ops.integration.SLIDING_VIA_FLEX = args.sliding == "flex"
+                row["sliding"] = args.sliding if variant.endswith("compile") and args.device.startswith("cuda") else "stock"
             row["attention"] = model.config._attn_implementation
             if variant == "liger":
                 apply, liger_undo, version = liger_patch()
@@ -584,6 +587,8 @@ def parse_args(argv=None):
     ap.add_argument("--seqs", default="2048,8192", help="train sequence lengths (batch 1)")
     ap.add_argument("--g4ops-attention", action="store_true",
                     help="train: the g4ops variants also run g4ops attention (enable(model, attention=True))")
+    ap.add_argument("--sliding", choices=["flex", "stock"], default="flex",
+                    help="with --g4ops-attention, compiled on CUDA: sliding layers on FlexAttention or stock SDPA")
     ap.add_argument("--optimizers", default="none,adamw", help="train: none (fwd+bwd) and/or adamw")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=600, help="timed decode; > 512 crosses the window")

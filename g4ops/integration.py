@@ -348,6 +348,9 @@ def _unpatch_module(module: nn.Module) -> None:
 # and one alignment must be right for both.
 
 ATTENTION = "g4ops"
+# Sliding layers of a compiled CUDA model run FlexAttention with a block-sparse band (g4ops.attention's section on
+# it); False keeps them on stock SDPA with the dense mask (benchmarks compare the two).
+SLIDING_VIA_FLEX = True
 _switched_configs: list[weakref.ref] = []  # Gemma-4 text configs enable(model) moved from "sdpa" to "g4ops"
 
 
@@ -436,7 +439,7 @@ def g4ops_attention_forward(
     """AttentionInterface entry: query [B, Hq, L, D], key/value [B, Hkv, S, D] -> ([B, L, Hq, D], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from .attention import attention
+    from .attention import attention, flex_sliding_usable, sliding_window_attention
 
     def stock(mask):
         return sdpa_attention_forward(
@@ -450,10 +453,16 @@ def g4ops_attention_forward(
         return stock(attention_mask)  # stock's mask (padding, cache), or stock's meaning of no mask
     if q_len == 1 and (sliding_window is None or kv_len <= sliding_window):
         return stock(None)  # a decode step that sees every key: stock's fast path, same result
-    if sliding_window is not None or dropout != 0.0 or kwargs.get("output_attentions") or any(
+    if dropout != 0.0 or kwargs.get("output_attentions") or any(
         kwargs.get(name) is not None for name in ("softcap", "position_bias")
     ):
-        # Sliding layers too: on the H200, cuDNN with the dense window mask beat ours 2x to 5x (2026-11-29).
+        return stock(_pattern_mask(q_len, kv_len, sliding_window, query.device))
+    if sliding_window is not None:
+        if SLIDING_VIA_FLEX and q_len > sliding_window and flex_sliding_usable(query):
+            out = sliding_window_attention(query, key, value, scaling, sliding_window)
+            return out.transpose(1, 2).contiguous(), None
+        # eager, CPU, or shorter than the window: on the H200 cuDNN with the dense window mask beat the chunked path
+        # 2x to 5x (2026-11-29)
         return stock(_pattern_mask(q_len, kv_len, sliding_window, query.device))
     out = attention(query, key, value, scale=scaling, window=sliding_window)
     return out.transpose(1, 2).contiguous(), None

@@ -99,11 +99,17 @@ def transformer_view(b, seq, heads, d, dtype, gen, device, scale=1.0):
     return O.make_tensor((b, seq, heads, d), dtype, gen, device=device, scale=scale).transpose(1, 2)
 
 
+def chunked(q, k, v, scale, window, chunk):
+    return attention(q, k, v, scale, window, chunk)
+
+
 def check_against_oracle_and_stock(
-    device, dtype, b, hq, hkv, q_len, kv_len, d, window, chunk, seed, draws=1, scale=None, stock_backend=None
+    device, dtype, b, hq, hkv, q_len, kv_len, d, window, chunk, seed, draws=1, scale=None, stock_backend=None,
+    impl=chunked,
 ):
     """g4ops' error vs fp64 is within bound (1) and no larger than stock SDPA's (bound 2), for out, dq, dk, dv.
-    scale None: 2 / sqrt(d), peakier softmax rows than SDPA's default 1 / sqrt(d)."""
+    scale None: 2 / sqrt(d), peakier softmax rows than SDPA's default 1 / sqrt(d). `impl(q, k, v, scale, window,
+    chunk)`: the g4ops path under test."""
     gen = _gen(seed)
     scale = 2.0 * d**-0.5 if scale is None else scale
     sums = {name: [0.0, 0.0, 0.0] for name in ("out", "dq", "dk", "dv")}
@@ -113,7 +119,7 @@ def check_against_oracle_and_stock(
         v = transformer_view(b, kv_len, hkv, d, dtype, gen, device)
         dout = transformer_view(b, q_len, hq, d, dtype, gen, device)  # non-contiguous like o_proj's input grad
 
-        out, grads = O.with_grads(lambda q, k, v: attention(q, k, v, scale, window, chunk), [q, k, v], dout)
+        out, grads = O.with_grads(lambda q, k, v: impl(q, k, v, scale, window, chunk), [q, k, v], dout)
         assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
         s_out, s_grads = O.with_grads(
             lambda q, k, v: stock_sdpa(q, k, v, scale, window, stock_backend), [q, k, v], dout
@@ -182,6 +188,52 @@ BF16_CASES = [
 def test_bf16_tensor_core_numerics_no_worse_than_stock_math(config):
     *shape, scale = config
     check_against_oracle_and_stock("cpu", torch.bfloat16, *shape, seed=6, scale=scale, stock_backend=SDPBackend.MATH)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sliding layers through FlexAttention (compiled, CUDA; CPU has only its forward, in eager).
+
+FLEX_CASES = [c for c in GRID if c[6] is not None and c[5] <= 256] + [(1, 8, 2, 1030, 1030, 256, 512, None)]
+
+
+def flex_compiled(q, k, v, scale, window, chunk):
+    return torch.compile(attention_module.sliding_window_attention, fullgraph=True, dynamic=False)(
+        q, k, v, scale, window
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("config", FLEX_CASES, ids=lambda c: "B{}-H{}x{}-L{}-S{}-D{}-w{}".format(*c[:7]))
+def test_flex_sliding_matches_fp64_oracle_and_is_no_worse_than_stock_sdpa(dtype, config):
+    torch._dynamo.reset()
+    b, hq, hkv, q_len, kv_len, d, window, _ = config
+    draws = max(1, min(16, 4096 // (b * hq * q_len * d)))
+    check_against_oracle_and_stock(
+        "cuda", dtype, b, hq, hkv, q_len, kv_len, d, window, None, seed=3, draws=draws, scale=1.0, impl=flex_compiled
+    )
+
+
+@pytest.mark.parametrize("config", [(2, 4, 1, 7, 7, 16, 3), (1, 4, 2, 9, 20, 16, 5), (1, 8, 2, 300, 300, 32, 64),
+                                    (1, 2, 2, 40, 40, 16, 100)], ids=lambda c: "B{}-H{}x{}-L{}-S{}-D{}-w{}".format(*c))
+def test_flex_sliding_forward_matches_fp64_oracle_on_cpu(config):
+    b, hq, hkv, q_len, kv_len, d, window = config
+    gen = _gen(11)
+    q = transformer_view(b, q_len, hq, d, F64, gen, "cpu")
+    k = transformer_view(b, kv_len, hkv, d, F64, gen, "cpu")
+    v = O.make_tensor((b, kv_len, hkv, 2 * d), F64, gen).transpose(1, 2)  # value head_dim != query's
+    ref = oracle(q, k, v, 0.7, window, torch.ones(b, hq, q_len, 2 * d, dtype=F64))[0]
+    out = attention_module.sliding_window_attention(q, k, v, 0.7, window)
+    assert out.shape == ref.shape
+    assert O.rel_err(out, ref) <= 1e-12
+
+
+def test_flex_sliding_runs_only_compiled_on_cuda():
+    q = torch.randn(1, 2, 8, 16)
+    assert not attention_module.flex_sliding_usable(q)  # eager CPU: the dense-mask stock path
+    with pytest.raises(ValueError, match="window"):
+        attention_module.sliding_window_attention(q, q, q, 1.0, None)
 
 
 def test_bf16_check_catches_p_and_ds_rounded_to_bf16(monkeypatch):
@@ -377,7 +429,7 @@ def test_model_with_g4ops_attention_matches_stock(shape, kernel_calls):
     with g4ops.enable(model, attention=True):
         assert model.config._attn_implementation == integration.ATTENTION
         ours = _loss_and_grads(model, ids)
-        # full layers run ours; sliding layers run stock's cuDNN path (faster on the H200)
+        # eager: full layers run ours, sliding layers stock's cuDNN path (FlexAttention only compiled on CUDA)
         assert kernel_calls and all(c[2] is None for c in kernel_calls), kernel_calls
         kernel_calls.clear()
         ones = _loss_and_grads(model, ids, torch.ones_like(ids))  # an all-ones mask is no padding (eager check)
@@ -411,6 +463,28 @@ def test_compiled_fullgraph_model_with_g4ops_attention(kernel_calls):
         logits, loss, grads = _loss_and_grads(torch.compile(model, fullgraph=True), ids)
     compiled = (logits, loss, {k.removeprefix("_orig_mod."): v for k, v in grads.items()})
     _assert_same_model_outputs(eager, compiled)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_compiled_cuda_model_runs_sliding_layers_on_flex(kernel_calls, monkeypatch):
+    flex_calls = []
+    real = attention_module.sliding_window_attention
+
+    def spy(query, key, value, scale, window):
+        flex_calls.append(window)
+        return real(query, key, value, scale, window)
+
+    monkeypatch.setattr(attention_module, "sliding_window_attention", spy)
+    model = build_model("tiny-e4b").cuda().train()
+    ids = _tokens(model.config.vocab_size).cuda()  # 21 tokens > the sliding window of 8
+    stock = _loss_and_grads(model, ids)
+    with g4ops.enable(model, attention=True):
+        torch._dynamo.reset()
+        logits, loss, grads = _loss_and_grads(torch.compile(model, fullgraph=True), ids)
+    assert flex_calls and set(flex_calls) == {model.config.sliding_window}, flex_calls
+    assert kernel_calls  # the full layers: the chunked kernel
+    _assert_same_model_outputs(stock, (logits, loss, {k.removeprefix("_orig_mod."): v for k, v in grads.items()}))
 
 
 def test_generate_dynamic_and_compiled_static_cache_match_stock(kernel_calls):
