@@ -36,7 +36,15 @@ from __future__ import annotations
 
 import torch
 
-CHUNK = 512  # query rows per GEMM block: big enough for full-speed GEMMs, small enough for the fp32 score block
+CHUNK = 512  # least query rows per GEMM block: big enough for full-speed GEMMs
+MAX_CHUNKS = 4  # most blocks per call: torch.compile unrolls the loop, and at 8192 tokens 16 blocks per layer made a
+# 42-layer training step compile for over 390 s (H200, 2026-11-29); 4 blocks there is a 0.5 GiB fp32 score block
+
+
+def default_chunk(q_len: int) -> int:
+    """Query rows per block: CHUNK, or more (a multiple of 128) so a call has at most MAX_CHUNKS blocks."""
+    rows = -(-q_len // MAX_CHUNKS)
+    return max(CHUNK, -(-rows // 128) * 128)
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -228,13 +236,16 @@ def attention(
     value: torch.Tensor,
     scale: float | None = None,
     window: int | None = None,
-    chunk: int = CHUNK,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Causal attention, optionally sliding-window, exact (see the module docstring for the semantics).
 
     query [B, Hq, L, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] (any strides; Hq a multiple of Hkv; L <= S, the
     queries being the last L positions); scale defaults to 1/sqrt(D) like SDPA; window: a query at position p sees
-    keys p - window < k <= p. Returns [B, Hq, L, Dv] in the query's dtype."""
+    keys p - window < k <= p; chunk: query rows per GEMM block (default `default_chunk(L)`). Returns [B, Hq, L, Dv]
+    in the query's dtype."""
+    if chunk is None:
+        chunk = default_chunk(query.shape[2])
     _check(query, key, value, window, chunk)
     b, hq, n, d = query.shape
     hkv = key.shape[1]

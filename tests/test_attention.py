@@ -347,6 +347,15 @@ def test_compile_fullgraph_no_graph_breaks_matches_eager(device, window):
         assert O.rel_err(g, e) <= O.tolerance(torch.float32, 19 * 4)
 
 
+@pytest.mark.parametrize("q_len", [1, 511, 2048, 2049, 8192, 8193, 32768])
+def test_default_chunk_bounds_the_unrolled_blocks(q_len):
+    chunk = attention_module.default_chunk(q_len)
+    assert chunk >= attention_module.CHUNK and chunk % 128 == 0
+    assert -(-q_len // chunk) <= attention_module.MAX_CHUNKS
+    if q_len <= attention_module.CHUNK * attention_module.MAX_CHUNKS:
+        assert chunk == attention_module.CHUNK  # the measured 2048-token configuration is unchanged
+
+
 def test_bad_input_raises_naming_the_argument():
     q = torch.randn(1, 4, 6, 8)
     k = torch.randn(1, 2, 6, 8)
