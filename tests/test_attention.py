@@ -193,7 +193,13 @@ def test_bf16_tensor_core_numerics_no_worse_than_stock_math(config):
 # ----------------------------------------------------------------------------------------------------------------
 # Sliding layers through FlexAttention (compiled, CUDA; CPU has only its forward, in eager).
 
-FLEX_CASES = [c for c in GRID if c[6] is not None and c[5] <= 256] + [(1, 8, 2, 1030, 1030, 256, 512, None)]
+# (dtype, (B, Hq, Hkv, L, S, D, window)): each case compiles its own Triton kernels (about a minute on the H200), so
+# few: GQA 4:1 with a window of 3 in fp32, queries after a cache (L < S), and the E4B sliding layer in bf16.
+FLEX_CASES = [
+    (torch.float32, (2, 4, 1, 7, 7, 16, 3)),
+    (torch.bfloat16, (1, 4, 2, 9, 20, 16, 5)),
+    (torch.bfloat16, (1, 8, 2, 1030, 1030, 256, 512)),
+]
 
 
 def flex_compiled(q, k, v, scale, window, chunk):
@@ -204,11 +210,13 @@ def flex_compiled(q, k, v, scale, window, chunk):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("config", FLEX_CASES, ids=lambda c: "B{}-H{}x{}-L{}-S{}-D{}-w{}".format(*c[:7]))
+@pytest.mark.parametrize(
+    "dtype, config", FLEX_CASES, ids=lambda c: str(c).removeprefix("torch.") if isinstance(c, torch.dtype) else
+    "B{}-H{}x{}-L{}-S{}-D{}-w{}".format(*c),
+)
 def test_flex_sliding_matches_fp64_oracle_and_is_no_worse_than_stock_sdpa(dtype, config):
     torch._dynamo.reset()
-    b, hq, hkv, q_len, kv_len, d, window, _ = config
+    b, hq, hkv, q_len, kv_len, d, window = config
     draws = max(1, min(16, 4096 // (b * hq * q_len * d)))
     check_against_oracle_and_stock(
         "cuda", dtype, b, hq, hkv, q_len, kv_len, d, window, None, seed=3, draws=draws, scale=1.0, impl=flex_compiled
