@@ -42,6 +42,9 @@ def test_e2e_smoke(tmp_path):
         assert "tok_s" in train[("liger", optimizer)] or "error" in train[("liger", optimizer)]
     parity = res["parity"]
     assert parity["teacher_forced"]["teacher_forced_top1_agreement"] == 1.0
+    floor = ("stock_vs_fp32_top1_agreement", "g4ops_vs_fp32_top1_agreement", "stock_greedy_vs_fp32_agreement")
+    assert all(0.0 <= parity["teacher_forced"][key] <= 1.0 for key in floor), parity["teacher_forced"]
+    assert parity["teacher_forced"]["stock_vs_fp32_top1_agreement"] == 1.0  # an fp32 smoke: the truth is stock itself
     assert parity["fp32_greedy"]["identical"] is True
 
 
