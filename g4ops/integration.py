@@ -11,6 +11,9 @@ This is the only module that knows transformers' Gemma-4 class names and quirks 
   pre_feedforward_layernorm) as one `g4ops.sandwich_norm`. Only for the signature it knows (5.6 to 5.24: the cache
   argument is `past_key_values` or `cache`), without MoE, and when both norms compute Gemma4RMSNorm unhooked;
   otherwise the layer runs its stock forward (whose norms still use g4ops.rms_norm).
+- `Gemma4TextScaledWordEmbedding.forward` -> the same lookup and scale through `g4ops.ops.embedding`, whose weight
+  gradient is ATen's kernel kept opaque to Inductor (no 10.5 GiB fp32 transient for E4B's per-layer table under
+  torch.compile). max_norm / scale_grad_by_freq / sparse embeddings keep the stock forward.
 
 - Attention (opt-in): `enable()` registers a "g4ops" attention implementation with transformers' AttentionInterface
   and AttentionMaskInterface (`from_pretrained(..., attn_implementation="g4ops")` then works), and
@@ -194,6 +197,7 @@ def _patch_table() -> dict[type, callable]:
         hf.Gemma4RMSNorm: _make_norm_forward,
         hf.Gemma4TextMLP: _make_mlp_forward,
         hf.Gemma4TextDecoderLayer: _make_decoder_layer_forward,
+        hf.Gemma4TextScaledWordEmbedding: _make_embedding_forward,
     }
     for cls in _causal_lm_classes(hf):
         table[cls] = make_causal_lm_forward
@@ -202,6 +206,18 @@ def _patch_table() -> dict[type, callable]:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Probes: the installed transformers must compute what we replace it with.
+
+
+def _make_embedding_forward(stock_forward):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        plain = _is_plain_tensor(input_ids) and _is_plain_tensor(self.weight)
+        if not plain or self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
+            return stock_forward(self, input_ids)
+        # stock: nn.Embedding's lookup, then the scale in the weight dtype
+        return ops.embedding(input_ids, self.weight, self.padding_idx) * self.embed_scale.to(self.weight.dtype)
+
+    setattr(forward, _MARK, stock_forward)
+    return forward
 
 
 @torch.no_grad()
@@ -230,6 +246,14 @@ def _probe(hf) -> None:
         raise RuntimeError(
             f"{_HF_MODULE}.Gemma4TextMLP no longer computes down(gelu_tanh(gate(x)) * up(x)); g4ops refuses to "
             "patch this transformers version (please report it)"
+        )
+    embed = hf.Gemma4TextScaledWordEmbedding(10, 4, 0, embed_scale=3.0)
+    embed.weight.copy_(torch.randn(10, 4, generator=gen))
+    ids = torch.tensor([[0, 3, 9, 3]])
+    if not torch.equal(embed(ids), _make_embedding_forward(None)(embed, ids)):
+        raise RuntimeError(
+            f"{_HF_MODULE}.Gemma4TextScaledWordEmbedding no longer computes embedding(ids) * embed_scale; g4ops "
+            "refuses to patch this transformers version (please report it)"
         )
 
 

@@ -10,6 +10,7 @@ Internal ops, each a real operator so autograd, torch.compile and CUDA graphs se
     geglu_mlp_forward      the training forward: also returns the gate and up GEMM outputs for the backward
     geglu_mlp_backward     grad_x and all three weight gradients, from the saved gate/up (h is recomputed)
     sandwich_norm_backward grad_branch, grad_residual and both weight gradients, from the saved branch and sum
+    embedding_backward     the weight gradient of an embedding lookup (`embedding` below), kept opaque to Inductor
 
 Kernels per op: the reference math (reference.py) is registered as CompositeExplicitAutograd, so it runs on every
 device; csrc/ registers CUDA kernels for the same names, which the dispatcher prefers on CUDA tensors. Autograd is
@@ -50,6 +51,9 @@ _SCHEMAS = {
     "sandwich_norm_backward": (
         "sandwich_norm_backward(Tensor grad_sum, Tensor grad_normed, Tensor branch, Tensor sum, Tensor? post_weight,"
         " Tensor? pre_weight, float eps, bool[2] weight_grads) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "embedding_backward": (
+        "embedding_backward(Tensor grad_out, Tensor indices, SymInt num_weights, SymInt padding_idx) -> Tensor"
     ),
 }
 for _schema in _SCHEMAS.values():
@@ -156,6 +160,22 @@ def _check_sandwich_norm_backward(grad_sum, grad_normed, branch, s, post_weight,
         _check_same_device(op, branch=branch, **{name: t})
 
 
+def _check_embedding_backward(grad_out, indices, num_weights, padding_idx):
+    op = "embedding_backward"
+    _check_floating("grad_out", grad_out)
+    torch._check_type(
+        indices.dtype in (torch.int32, torch.int64),
+        lambda: f"g4ops.{op}: `indices` must be int32 or int64, got {indices.dtype}",
+    )
+    _check_shape(op, "grad_out", grad_out, (*indices.shape, grad_out.shape[-1]), "`indices` + [embedding_dim]")
+    torch._check(num_weights >= 1, lambda: f"g4ops.{op}: `num_weights` must be >= 1, got {num_weights}")
+    torch._check(
+        -1 <= padding_idx < num_weights,
+        lambda: f"g4ops.{op}: `padding_idx` must be -1 (none) or a row in [0, {num_weights}), got {padding_idx}",
+    )
+    _check_same_device(op, grad_out=grad_out, indices=indices)
+
+
 def _check_geglu_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask):
     _check_geglu(x, w_gate, w_up, w_down)
     for name, t in (("grad_out", grad_out), ("gate", gate), ("up", up)):
@@ -186,6 +206,10 @@ _OPS = {
     "sandwich_norm": (_check_sandwich_norm, reference.sandwich_norm),
     "sandwich_norm_backward": (_check_sandwich_norm_backward, reference.sandwich_norm_backward),
 }
+# Ops whose kernel on every device is ATen's own (no csrc kernel): op name -> (check, kernel).
+_ATEN_OPS = {
+    "embedding_backward": (_check_embedding_backward, reference.embedding_backward),
+}
 
 
 def _reference_kernel(name: str):
@@ -204,7 +228,7 @@ def _guard_kernel(name: str):
     """Runs the op's check, then dispatches on to the device kernel. A Python error here is clean everywhere; a
     failing C++ check inside the CUDA extension crashed the process on the H200 image (2026-11-29)."""
     op = getattr(torch.ops.g4ops, name).default
-    check = _OPS[name][0]
+    check = {**_OPS, **_ATEN_OPS}[name][0]
 
     def kernel(keyset, *args):
         check(*args)
@@ -215,6 +239,9 @@ def _guard_kernel(name: str):
 
 for _name in _OPS:
     _lib.impl(_name, _reference_kernel(_name), "CompositeExplicitAutograd")
+    _lib.impl(_name, _guard_kernel(_name), "BackendSelect", with_keyset=True)
+for _name, (_, _kernel) in _ATEN_OPS.items():
+    _lib.impl(_name, _kernel, "CompositeExplicitAutograd")
     _lib.impl(_name, _guard_kernel(_name), "BackendSelect", with_keyset=True)
 
 
@@ -278,6 +305,12 @@ def _sandwich_norm_backward_fake(grad_sum, grad_normed, branch, s, post_weight, 
     weight_grad = [w.new_empty(w.shape) if (w is not None and wanted) else branch.new_empty(0)
                    for w, wanted in zip((post_weight, pre_weight), weight_grads)]  # fmt: skip
     return branch.new_empty(branch.shape), branch.new_empty(branch.shape), *weight_grad
+
+
+@torch.library.register_fake("g4ops::embedding_backward", lib=_lib)
+def _embedding_backward_fake(grad_out, indices, num_weights, padding_idx):
+    _check_embedding_backward(grad_out, indices, num_weights, padding_idx)
+    return grad_out.new_empty((num_weights, grad_out.shape[-1]))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -344,6 +377,24 @@ class _SandwichNormFunction(torch.autograd.Function):
         )
 
 
+class _EmbeddingFunction(torch.autograd.Function):
+    """F.embedding whose weight gradient is `g4ops.embedding_backward`. The forward stays plain ATen (Inductor
+    fuses the gather with what follows); only the backward is opaque (see `embedding`)."""
+
+    @staticmethod
+    def forward(ctx, indices, weight, padding_idx):
+        ctx.save_for_backward(indices)
+        ctx.num_weights, ctx.padding_idx = weight.shape[0], padding_idx
+        return torch.nn.functional.embedding(indices, weight, None if padding_idx < 0 else padding_idx)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        (indices,) = ctx.saved_tensors
+        grad_w = torch.ops.g4ops.embedding_backward(grad_out.contiguous(), indices, ctx.num_weights, ctx.padding_idx)
+        return None, grad_w, None
+
+
 _BELOW_AUTOGRAD = torch._C._after_autograd_keyset
 
 
@@ -384,7 +435,8 @@ def _internal_op_autograd(name: str, check=None):
 _lib.impl("rms_norm", _rms_norm_autograd, "Autograd", with_keyset=True)
 _lib.impl("geglu_mlp", _geglu_mlp_autograd, "Autograd", with_keyset=True)
 _lib.impl("sandwich_norm", _sandwich_norm_autograd, "Autograd", with_keyset=True)
-for _name in ("rms_norm_backward", "geglu_mlp_forward", "geglu_mlp_backward", "sandwich_norm_backward"):
+for _name in ("rms_norm_backward", "geglu_mlp_forward", "geglu_mlp_backward", "sandwich_norm_backward",
+              "embedding_backward"):
     _lib.impl(_name, _internal_op_autograd(_name), "Autograd", with_keyset=True)
 
 
@@ -433,3 +485,27 @@ def sandwich_norm(
     """Gemma's sandwich norms in one op: `s = residual + rms_norm(branch, post_weight)` (rounded once) and
     `rms_norm(s, pre_weight)`; returns both (s is the new residual stream, the second the next block's input)."""
     return torch.ops.g4ops.sandwich_norm(branch, residual, post_weight, pre_weight, float(eps))
+
+
+def embedding(indices: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
+    """`F.embedding(indices, weight, padding_idx)`, same values and gradient, with the weight gradient computed by
+    ATen's embedding backward kernel inside an op Inductor cannot decompose.
+
+    Why: under torch.compile Inductor decomposes the embedding backward into a zero-filled fp32 [rows, dim] table,
+    an index_put and a cast. For Gemma-4 E4B's per-layer-input table (262144 x 10752) that is a 10.5 GiB fp32
+    transient next to the 5.25 GiB bf16 gradient; ATen's kernel (what eager runs) accumulates each index's rows in
+    fp32 and writes the bf16 gradient directly."""
+    if not isinstance(indices, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError("g4ops.embedding: `indices` and `weight` must be tensors")
+    if weight.dim() != 2:
+        raise ValueError(f"g4ops.embedding: `weight` must be 2-D [num_embeddings, dim], got {list(weight.shape)}")
+    rows = weight.shape[0]
+    if padding_idx is None:
+        padding_idx = -1
+    elif not -rows <= padding_idx < rows:
+        raise ValueError(f"g4ops.embedding: `padding_idx` {padding_idx} is outside [-{rows}, {rows})")
+    elif padding_idx < 0:
+        padding_idx += rows
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return _EmbeddingFunction.apply(indices, weight, padding_idx)
+    return torch.nn.functional.embedding(indices, weight, None if padding_idx < 0 else padding_idx)

@@ -143,3 +143,15 @@ def geglu_mlp_backward(
     grad_wu = (rows(grad_up).t() @ rows(x)) if output_mask[2] else empty()
     grad_wd = (rows(grad_out).t() @ rows(h)) if output_mask[3] else empty()
     return grad_x, grad_wg, grad_wu, grad_wd
+
+
+def embedding_backward(grad_out: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int):
+    """Weight gradient of an embedding lookup: grad_out's rows summed into the rows `indices` name (the padding row
+    gets none) in the accumulation dtype, rounded once to grad_out's dtype. On CUDA that is ATen's kernel as is
+    (fp32 partial sums, no [rows, dim] fp32 table); ATen's CPU kernel sums bf16/fp16 in their own dtype, so on other
+    devices the sum runs on an upcast copy."""
+    if grad_out.is_cuda:
+        return torch.ops.aten.embedding_dense_backward(grad_out, indices, num_weights, padding_idx, False)
+    acc = accumulation_dtype(grad_out.dtype)
+    grad_w = torch.ops.aten.embedding_dense_backward(grad_out.to(acc), indices, num_weights, padding_idx, False)
+    return grad_w.to(grad_out.dtype)

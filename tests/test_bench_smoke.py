@@ -92,3 +92,12 @@ def test_demo_without_compile_reports_parity(tmp_path):
     proc = _run(["-m", "g4ops", "demo", "--no-compile", "--tokens", "12"], tmp_path)
     assert "g4ops decoder" in proc.stdout
     assert "PARITY: every variant produced the same greedy tokens as stock transformers" in proc.stdout
+
+
+def test_embedding_backward_bench_smoke(tmp_path):
+    out = tmp_path / "embedding.json"
+    _run(["bench/embedding_backward.py", "--device", "cpu", "--rows", "512", "--dim", "16", "--tokens", "64",
+          "--reps", "1", "--json", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["results"]
+    assert [r["variant"] for r in rows] == ["stock eager", "stock compile", "g4ops compile"]
+    assert all(r["ms"] > 0 and r["grad_max_abs_diff_vs_stock_eager"] < 0.1 for r in rows), rows
