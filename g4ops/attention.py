@@ -294,7 +294,10 @@ def sliding_window_attention(
         raise ValueError("g4ops.sliding_window_attention: window must be a positive int, got None")
     _check(query, key, value, window, CHUNK)
     q_len, kv_len = query.shape[2], key.shape[2]
-    block_mask = create_block_mask(_band(kv_len - q_len, window), None, None, q_len, kv_len, device=query.device)
+    # a symbolic offset (torch.compile's dynamic shapes) inside mask_mod fails Inductor's lowering (torch 2.13):
+    # training calls have L == S, so pass a plain 0 there (one guard on L == S)
+    offset = 0 if kv_len == q_len else kv_len - q_len
+    block_mask = create_block_mask(_band(offset, window), None, None, q_len, kv_len, device=query.device)
     return flex_attention(
         query, key, value, block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
     )

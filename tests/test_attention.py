@@ -237,6 +237,19 @@ def test_flex_sliding_forward_matches_fp64_oracle_on_cpu(config):
     assert O.rel_err(out, ref) <= 1e-12
 
 
+def test_flex_sliding_compiles_across_sequence_lengths():
+    """The second length recompiles with symbolic shapes; an offset expression inside the mask_mod failed Inductor's
+    lowering there (torch 2.13, CPU forward: the only FlexAttention compile CPU has)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(attention_module.sliding_window_attention, fullgraph=True)
+    gen = _gen(12)
+    for length in (40, 56, 72):
+        q, k, v = (transformer_view(1, length, h, 16, torch.float32, gen, "cpu") for h in (4, 2, 2))
+        with torch.no_grad():
+            out = compiled(q, k, v, 1.0, 8)
+        assert O.rel_err(out, attention(q, k, v, 1.0, 8)) <= O.tolerance(torch.float32, 8 * 16)
+
+
 def test_flex_sliding_runs_only_compiled_on_cuda():
     q = torch.randn(1, 2, 8, 16)
     assert not attention_module.flex_sliding_usable(q)  # eager CPU: the dense-mask stock path
@@ -502,6 +515,23 @@ def test_compiled_cuda_model_runs_sliding_layers_on_flex(kernel_calls, monkeypat
     assert flex_calls and set(flex_calls) == {model.config.sliding_window}, flex_calls
     assert kernel_calls  # the full layers: the chunked kernel
     _assert_same_model_outputs(stock, (logits, loss, {k.removeprefix("_orig_mod."): v for k, v in grads.items()}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_model_with_g4ops_attention_across_sequence_lengths(device):
+    """A second sequence length recompiles with dynamic shapes (torch.compile's automatic dynamic); both lengths
+    cross the sliding window, so on CUDA the sliding layers take FlexAttention with a symbolic length."""
+    model = build_model("tiny-e4b").to(device).train()
+    with g4ops.enable(model, attention=True):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True)
+        for length in (21, 29):
+            ids = _tokens(model.config.vocab_size, (2, length), seed=length).to(device)
+            eager = _loss_and_grads(model, ids)  # g4ops attention's eager path: chunked kernel and stock sdpa
+            logits, loss, grads = _loss_and_grads(compiled, ids)
+            _assert_same_model_outputs(
+                eager, (logits, loss, {k.removeprefix("_orig_mod."): v for k, v in grads.items()})
+            )
 
 
 def test_generate_dynamic_and_compiled_static_cache_match_stock(kernel_calls):
