@@ -277,10 +277,22 @@ def _band(offset: int, window: int):
     return mask_mod
 
 
+FLEX_MIN_CAPABILITY = (9, 0)  # measured and tested on the H200 only; the head_dim-256 backward needs Hopper's shared
+# memory, and on smaller GPUs Triton may fail to fit the kernel: those keep stock's path
+
+
+@torch.compiler.assume_constant_result  # evaluated once while tracing, a constant in the graph
+def _flex_checked_gpu(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= FLEX_MIN_CAPABILITY
+
+
 def flex_sliding_usable(query: torch.Tensor) -> bool:
     """FlexAttention is the faster sliding path only where it compiles into its fused kernel: CUDA, inside
-    torch.compile (eager flex_attention materializes the full score matrix)."""
-    return query.is_cuda and torch.compiler.is_compiling()
+    torch.compile (eager flex_attention materializes the full score matrix), on a GPU of the kind it was checked on."""
+    if not (query.is_cuda and torch.compiler.is_compiling()):
+        return False
+    index = query.device.index
+    return _flex_checked_gpu(torch.cuda.current_device() if index is None else index)
 
 
 def sliding_window_attention(

@@ -250,6 +250,21 @@ def test_flex_sliding_compiles_across_sequence_lengths():
         assert O.rel_err(out, attention(q, k, v, 1.0, 8)) <= O.tolerance(torch.float32, 8 * 16)
 
 
+@pytest.mark.parametrize("capability, usable", [((9, 0), True), ((8, 0), False)])
+def test_flex_gpu_check_is_a_traced_constant(monkeypatch, capability, usable):
+    """The capability check runs at trace time and leaves no graph break (it runs inside the compiled model)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+
+    def fn(x):
+        return x + 1 if attention_module._flex_checked_gpu(0) else x - 1
+
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(fn)(torch.ones(2))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fn, fullgraph=True)(torch.ones(2)), torch.full((2,), 2.0 if usable else 0.0))
+
+
 def test_flex_sliding_runs_only_compiled_on_cuda():
     q = torch.randn(1, 2, 8, 16)
     assert not attention_module.flex_sliding_usable(q)  # eager CPU: the dense-mask stock path
