@@ -25,18 +25,13 @@ from g4ops.models import build_model
 
 try:
     from . import oracle as O
+    from .devices import DEVICES
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import oracle as O
+    from devices import DEVICES
 
 hf = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")],
-    ),
-]
 F64 = torch.float64
 
 

@@ -15,16 +15,11 @@ from g4ops import ops
 
 try:
     from . import oracle as O
+    from .devices import DEVICES
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import oracle as O
+    from devices import DEVICES
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")],
-    ),
-]
 F64 = torch.float64
 
 

@@ -24,18 +24,13 @@ import g4ops
 
 try:
     from . import oracle as O
+    from .devices import DEVICES
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import oracle as O
+    from devices import DEVICES
 
 OPS = torch.ops.g4ops
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")],
-    ),
-]
 LOW_AND_FP32 = [torch.bfloat16, torch.float16, torch.float32]
 
 
