@@ -48,6 +48,17 @@ def test_e2e_smoke(tmp_path):
     assert parity["fp32_greedy"]["identical"] is True
 
 
+def test_e2e_train_with_g4ops_attention(tmp_path):
+    """The finetune rows of the issue's table run with `--g4ops-attention` (on CPU: the chunked full layers, stock
+    sliding layers; FlexAttention needs a compiled CUDA model)."""
+    out = tmp_path / "e2e.json"
+    _run(["bench/e2e.py", "--device", "cpu", "--shape", "tiny-e4b", "--smoke", "--parts", "train", "--variants",
+          "stock,g4ops", "--optimizers", "none", "--g4ops-attention", "--json", str(out)], tmp_path)  # fmt: skip
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["train"]}
+    assert rows["g4ops"]["attention"] == "g4ops" and rows["g4ops"]["sliding"] == "stock", rows["g4ops"]
+    assert rows["g4ops"]["loss_matches_stock"] is True and rows["g4ops"]["tok_s"] > 0
+
+
 def test_e2e_decode_variants_in_their_own_processes(tmp_path):
     """--decode-processes each (the CUDA default): one child process per variant, rows merged and compared."""
     out = tmp_path / "e2e.json"
