@@ -331,7 +331,8 @@ def train_variant(args, variant: str, seq: int, optimizer: str, ids: torch.Tenso
             if use_g4ops and args.g4ops_attention:
                 g4ops.enable(model, attention=True)  # also switch its attention to g4ops' implementation
                 g4ops.integration.SLIDING_VIA_FLEX = args.sliding == "flex"
-                row["sliding"] = args.sliding if variant.endswith("compile") and args.device.startswith("cuda") else "stock"
+                on_flex = variant.endswith("compile") and args.device.startswith("cuda")
+                row["sliding"] = args.sliding if on_flex else "stock"
             row["attention"] = model.config._attn_implementation
             if variant == "liger":
                 apply, liger_undo, version = liger_patch()
@@ -513,8 +514,8 @@ def bench_parity(args, results):
         bf.update(stock_margin_at_divergence=margin(stock_logits[row]),
                   g4ops_margin_at_divergence=margin(ours_logits[row]))
     report["teacher_forced"] = bf
-    print(f"parity {args.dtype}: teacher-forced top-1 agreement {agree:.4f} over {bf['tokens']} tokens (noise floor, vs "
-          f"the same weights in fp32: stock {bf['stock_vs_fp32_top1_agreement']:.4f}, g4ops "
+    print(f"parity {args.dtype}: teacher-forced top-1 agreement {agree:.4f} over {bf['tokens']} tokens (noise floor, "
+          f"vs the same weights in fp32: stock {bf['stock_vs_fp32_top1_agreement']:.4f}, g4ops "
           f"{bf['g4ops_vs_fp32_top1_agreement']:.4f}, stock greedy {bf['stock_greedy_vs_fp32_agreement']:.4f}); first "
           f"greedy divergence {first}" + (f" (stock margin {bf['stock_margin_at_divergence']:.4f}, g4ops margin "
                                           f"{bf['g4ops_margin_at_divergence']:.4f})" if first is not None else ""))

@@ -12,8 +12,9 @@ bf16: on a full layer under torch.compile 2.30 vs 7.20 ms for stock, with a smal
 (dq 1.66e-3 vs 6.33e-3: stock's MATH backend rounds its fp32 result, P included, before the backward GEMMs); in
 eager 0.80x stock (8.42 vs 6.72 ms). Sliding layers: this path is slower than cuDNN there, so
 `g4ops.enable(model, attention=True)` runs those on FlexAttention when compiled on CUDA (`sliding_window_attention`
-below: 0.91 vs cuDNN's 1.02 ms, bench/results/2026-11-29-h200-session4-train42.md), else on stock. A first version rounded P and dS to bf16 for their GEMMs and took the backward's
-rowsum(dO * O) from the bf16 output, and was up to 1.25x stock's error; both are fixed below.
+below: 0.91 vs cuDNN's 1.02 ms, bench/results/2026-11-29-h200-session4-train42.md), else on stock. A first version
+rounded P and dS to bf16 for their GEMMs and took the backward's rowsum(dO * O) from the bf16 output, and was up to
+1.25x stock's error; both are fixed below.
 
 Semantics (what `attention` returns is softmax(scale * q k^T + mask) v, per query head):
 - query [B, Hq, L, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv], L <= S; query head h reads kv head h // (Hq / Hkv)

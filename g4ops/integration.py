@@ -92,6 +92,18 @@ def _make_norm_forward(stock_forward):
     return forward
 
 
+def _make_embedding_forward(stock_forward):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        plain = _is_plain_tensor(input_ids) and _is_plain_tensor(self.weight)
+        if not plain or self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
+            return stock_forward(self, input_ids)
+        # stock: nn.Embedding's lookup, then the scale in the weight dtype
+        return ops.embedding(input_ids, self.weight, self.padding_idx) * self.embed_scale.to(self.weight.dtype)
+
+    setattr(forward, _MARK, stock_forward)
+    return forward
+
+
 def mlp_uses_g4ops(mlp: nn.Module) -> bool:
     """Whether a Gemma4TextMLP can run as one geglu_mlp op (else its stock forward runs)."""
     config = getattr(mlp, "config", None)
@@ -206,18 +218,6 @@ def _patch_table() -> dict[type, callable]:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Probes: the installed transformers must compute what we replace it with.
-
-
-def _make_embedding_forward(stock_forward):
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        plain = _is_plain_tensor(input_ids) and _is_plain_tensor(self.weight)
-        if not plain or self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
-            return stock_forward(self, input_ids)
-        # stock: nn.Embedding's lookup, then the scale in the weight dtype
-        return ops.embedding(input_ids, self.weight, self.padding_idx) * self.embed_scale.to(self.weight.dtype)
-
-    setattr(forward, _MARK, stock_forward)
-    return forward
 
 
 @torch.no_grad()
@@ -367,8 +367,7 @@ def _unpatch_module(module: nn.Module) -> None:
 # layers: transformers forbids the is_causal skip for those), so the attention receives mask None plus its
 # `sliding_window`; full layers then run g4ops.attention, sliding layers FlexAttention (compiled CUDA) or stock sdpa
 # with the pattern as a dense mask (cuDNN, faster than g4ops.attention there); everything else gets stock sdpa's mask
-# and stock sdpa attention. A None
-# mask then always means "causal, queries bottom-right aligned". Stock sdpa may also skip its mask for a
+# and stock sdpa attention. A None mask then always means "causal, queries bottom-right aligned". Stock sdpa may also skip its mask for a
 # static-cache prefill (L < S, top-left aligned); we never let it for L > 1, because transformers 5.24 slices the
 # queries of KV-shared layers to the last rows when the mask is None under any implementation not named "sdpa",
 # and one alignment must be right for both.
