@@ -29,6 +29,7 @@ import torch
 
 import g4ops  # noqa: F401  (defines the torch.ops.g4ops schemas)
 import oracle
+from devices import capture_cuda_graph
 from oracle import make_mlp_weights, make_qk_view, make_tensor, rel_err, tolerance
 
 pytestmark = [
@@ -584,20 +585,6 @@ def test_sandwich_norm_deterministic(wmode):
         assert torch.equal(a, b), i
 
 
-def _capture(step):
-    """Run `step` twice on a side stream (lazy initialisation, allocator warm-up; capture forbids both), then
-    capture one call in a CUDA graph: (graph, the outputs of the captured call, which replays overwrite)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    return graph, out
-
 @pytest.mark.parametrize("rows", (1, 37, 2049))
 def test_sandwich_norm_cuda_graph(rows):
     """Forward and backward (weight-gradient second pass and the weight conversion included) captured in one graph:
@@ -612,7 +599,7 @@ def test_sandwich_norm_cuda_graph(rows):
         grads = torch.ops.g4ops.sandwich_norm_backward(grad_sum, grad_normed, branch, s, post, pre, EPS, [True, True])
         return (s, y, *grads)
 
-    graph, static_out = _capture(step)
+    graph, static_out = capture_cuda_graph(step)
     for _ in range(2):
         for t in (branch, residual, grad_sum, grad_normed):
             t.copy_(make_tensor(shape, dt, gen, device=DEV))
@@ -707,7 +694,7 @@ def test_cuda_graph_capture_replay(rows):
         grads = torch.ops.g4ops.geglu_mlp_backward(dy, y, gate, up, wg, wu, wd, [True, True, True, True])
         return (y, dx, dw, out, torch.ops.g4ops.geglu_mlp(y, wg, wu, wd), *grads)
 
-    graph, static_out = _capture(step)
+    graph, static_out = capture_cuda_graph(step)
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         dy.copy_(torch.randn_like(dy))

@@ -19,6 +19,11 @@ from hypothesis import strategies as st
 import g4ops.loss as loss_mod
 from g4ops.loss import linear_cross_entropy
 
+try:
+    from .devices import capture_cuda_graph
+except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    from devices import capture_cuda_graph
+
 IGNORE = -100
 
 
@@ -538,15 +543,7 @@ def test_cuda_graph_capture_and_replay():
     def fwd():
         return torch.ops.g4ops.linear_cross_entropy_forward(s_h, s_w, s_l, 30.0, IGNORE, "mean", 32, [True, True])
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fwd()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = fwd()
+    graph, static_out = capture_cuda_graph(fwd)
     for seed in (5, 6):
         h2, w2, l2 = make_inputs(n, h, v, dtype=torch.bfloat16, seed=seed)
         s_h.copy_(h2.cuda())
