@@ -386,7 +386,7 @@ def train_variant(args, variant: str, seq: int, optimizer: str, ids: torch.Tenso
 
 
 def bench_train(args, results):
-    rows = []
+    rows = results["train"] = []
     for seq in args.seqs:
         ids = random_ids(args, 1, seq, seed=args.seed + seq)
         for optimizer in args.optimizers:
@@ -404,7 +404,7 @@ def bench_train(args, results):
                         row["speedup_vs_stock"] = row["tok_s"] / ref["tok_s"]
                 rows.append(row)
                 print_row(row)
-    results["train"] = rows
+                write_json(args, results)  # a 42-layer compile takes minutes: a timeout keeps the rows so far
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -550,9 +550,16 @@ def fmt(v):
     return str(v)
 
 
+def write_json(args, results):
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
 def print_row(row):
     keys = ("part", "variant", "batch", "seq", "optimizer", "tok_s", "peak_gib", "speedup_vs_stock", "first_loss",
-            "loss_matches_stock", "warmup_s", "first_fast_token", "first_fast_token_since_process_start_s", "error")
+            "loss_matches_stock", "first_step_s", "warmup_s", "first_fast_token",
+            "first_fast_token_since_process_start_s", "error")
     print("  ".join(f"{k}={fmt(row[k])}" for k in keys if k in row), flush=True)
 
 
@@ -663,9 +670,7 @@ def main(argv=None):
         except Exception as exc:  # noqa: BLE001 - one part failing must not lose the others' numbers
             traceback.print_exc()
             results.setdefault("errors", {})[part] = f"{type(exc).__name__}: {exc}"
-        if args.json:  # write after every part: a later crash or timeout keeps what was measured
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1, default=str)
+        write_json(args, results)  # after every part: a later crash or timeout keeps what was measured
     print_table(results)
     return results
 
