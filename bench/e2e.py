@@ -49,6 +49,10 @@ yet). Stock's 200 s compile and ours still share one 10-minute call only at one 
 Liger-Kernel is measured where `import liger_kernel` works (0.8.5 has `apply_liger_kernel_to_gemma4_text`, used
 here); otherwise its rows say why they are missing.
 
+`--model PATH` runs any part on a local checkpoint (its own layer count, in fp32 too) instead of random weights;
+`--prompt TEXT` then gives decode and parity a real prompt by its tokenizer. A trained model's top-1/top-2 margins
+are what the 0.99 parity target assumes (bench/results/2026-11-29-h200-session5-train42.md).
+
 Every model is rebuilt from the same seed for each variant (a full E4B builds on the GPU in about a second), so
 variants do not share patched modules or optimizer memory; dynamo's caches are reset between variants, which did
 not isolate the decode variants above. The table goes to stdout, all numbers to
@@ -74,7 +78,7 @@ import traceback
 import torch
 
 import g4ops
-from g4ops.models import build_model, text_config
+from g4ops.models import build_model, load_checkpoint, text_config
 
 VARIANTS = ("stock", "stock-compile", "liger", "g4ops", "g4ops-compile")
 DECODE_VARIANTS = ("stock", "g4ops", "g4ops-graph", "g4ops-graph-compile", "stock-graph", "stock-graph-compile")
@@ -110,8 +114,11 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def model_for(args, dtype=None, layers=None):
+    """A fresh model: the `--model` checkpoint (all its layers), else `--shape` with random weights."""
     torch._dynamo.reset()
     free(args.device)
+    if args.model:
+        return load_checkpoint(args.model, dtype=dtype or DTYPES[args.dtype], device=args.device)
     return build_model(
         args.shape, num_layers=layers if layers is not None else args.layers, dtype=dtype or DTYPES[args.dtype],
         device=args.device, seed=args.seed,
@@ -120,8 +127,23 @@ def model_for(args, dtype=None, layers=None):
 
 def random_ids(args, batch: int, length: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    vocab = text_config(args.shape).vocab_size
+    if args.model:
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(args.model, local_files_only=True).get_text_config().vocab_size
+    else:
+        vocab = text_config(args.shape).vocab_size
     return torch.randint(3, vocab, (batch, length), generator=gen).to(args.device)
+
+
+def prompt_ids(args, batch: int, seed: int) -> torch.Tensor:
+    """`--prompt` by the checkpoint's tokenizer (a trained model's real margins), else `--prompt-len` random ids."""
+    if not args.prompt:
+        return random_ids(args, batch, args.prompt_len, seed)
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(args.model, local_files_only=True)(args.prompt, return_tensors="pt").input_ids
+    return ids.expand(batch, -1).to(args.device)
 
 
 @contextlib.contextmanager
@@ -222,6 +244,8 @@ def decode_in_child(args, batch: int, variant: str) -> list[dict]:
                "--seed", str(args.seed)]  # fmt: skip
         if args.layers is not None:
             cmd += ["--layers", str(args.layers)]
+        if args.model:
+            cmd += ["--model", args.model] + (["--prompt", args.prompt] if args.prompt else [])
         code = subprocess.run(cmd).returncode
         try:
             with open(out) as f:
@@ -239,7 +263,7 @@ def decode_rows(args) -> list[dict]:
     """Every decode variant at every batch size, in this process."""
     rows = []
     for batch in args.batches:
-        prompt = random_ids(args, batch, args.prompt_len, seed=args.seed + 100 + batch)
+        prompt = prompt_ids(args, batch, seed=args.seed + 100 + batch)
         for variant in args.decode_variants:
             row = dict(part="decode", variant=variant, batch=batch, new_tokens=args.decode_tokens)
             state = {}
@@ -371,6 +395,8 @@ def train_variant(args, variant: str, seq: int, optimizer: str, ids: torch.Tenso
                 times.append(time.perf_counter() - t)
             median = statistics.median(times)
             row.update(step_s=median, tok_s=ids.numel() / median, peak_gib=peak_gib(args.device))
+            if use_g4ops:  # the kernels load on first use, after meta() recorded their status
+                row["g4ops_kernels_loaded"] = g4ops.kernel_status()["loaded"]
     except Exception as exc:  # noqa: BLE001 - report and go on
         row["error"] = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {exc}"
         if not is_oom(exc) and not isinstance(exc, ImportError):
@@ -459,11 +485,12 @@ def graph_report(model, prompt, graph_tokens, stock_tokens, dtype) -> dict:
 
 
 def bench_parity(args, results):
-    report = {}
-    prompt = random_ids(args, 1, args.prompt_len, seed=args.seed + 7)
+    prompt = prompt_ids(args, 1, seed=args.seed + 7)
     p = prompt.shape[1]
+    report = {"prompt_tokens": p}
     # bf16 (the model dtype of the run)
     model = model_for(args).eval()
+    layers = model.config.get_text_config().num_hidden_layers
     stock_tokens = greedy(model, prompt, args.parity_tokens)
     seq = torch.cat([prompt[0], stock_tokens]).unsqueeze(0)
     stock_logits = teacher_forced_logits(model, seq)
@@ -496,7 +523,7 @@ def bench_parity(args, results):
     diverge = (ours_tokens != stock_tokens).nonzero()
     first = int(diverge[0]) if diverge.numel() else None
     bf = dict(
-        dtype=args.dtype, layers=args.layers, tokens=int(stock_tokens.numel()),
+        dtype=args.dtype, layers=layers, tokens=int(stock_tokens.numel()),
         teacher_forced_top1_agreement=agree,
         stock_vs_fp32_top1_agreement=(s_top == t_top).float().mean().item(),
         g4ops_vs_fp32_top1_agreement=(o_top == t_top).float().mean().item(),
@@ -521,6 +548,7 @@ def bench_parity(args, results):
                                           f"{bf['g4ops_margin_at_divergence']:.4f})" if first is not None else ""))
     # fp32, fewer layers: greedy tokens identical
     model = model_for(args, dtype=torch.float32, layers=args.fp32_layers).eval()
+    layers32 = model.config.get_text_config().num_hidden_layers  # a checkpoint keeps all of its layers
     stock32 = greedy(model, prompt, args.fp32_tokens)
     with g4ops_on(True):
         ours32 = greedy(model, prompt, args.fp32_tokens)
@@ -530,10 +558,10 @@ def bench_parity(args, results):
     free(args.device)
     diff = (stock32 != ours32).nonzero()
     report["fp32_greedy"] = dict(
-        layers=args.fp32_layers, tokens=int(stock32.numel()), identical=bool(diff.numel() == 0),
+        layers=layers32, tokens=int(stock32.numel()), identical=bool(diff.numel() == 0),
         first_divergence=int(diff[0]) if diff.numel() else None,
     )
-    print(f"parity fp32 ({args.fp32_layers} layers): greedy tokens identical = {report['fp32_greedy']['identical']} "
+    print(f"parity fp32 ({layers32} layers): greedy tokens identical = {report['fp32_greedy']['identical']} "
           f"over {report['fp32_greedy']['tokens']} tokens")
     results["parity"] = report
 
@@ -604,6 +632,10 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shape", default="e4b", help="g4ops.models.SHAPES key: e4b, e2b, tiny-e4b, tiny-e2b")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's own count)")
+    ap.add_argument("--model", default=None,
+                    help="local checkpoint directory instead of --shape's random weights (all its layers; never "
+                         "downloads)")
+    ap.add_argument("--prompt", default=None, help="with --model: prompt text for decode and parity (its tokenizer)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--parts", default="decode,train,parity")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="train variants: " + ",".join(VARIANTS))
@@ -624,7 +656,7 @@ def parse_args(argv=None):
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--parity-tokens", type=int, default=300)
-    ap.add_argument("--fp32-layers", type=int, default=6)
+    ap.add_argument("--fp32-layers", type=int, default=6, help="parity fp32 model's layers (--shape models only)")
     ap.add_argument("--fp32-tokens", type=int, default=600)
     ap.add_argument("--loss-tol", type=float, default=2e-2, help="relative first-loss tolerance vs stock (bf16)")
     ap.add_argument("--seed", type=int, default=0)
@@ -640,6 +672,10 @@ def parse_args(argv=None):
         if args.device == "cpu":
             # tiny GEMMs: OpenMP threads only add barrier waits (seen: 10 s instead of 0.06 s on a busy 2-core box)
             torch.set_num_threads(1)
+    if args.prompt and not args.model:
+        ap.error("--prompt needs --model (the built-in shapes have no tokenizer)")
+    if args.model and args.layers is not None:
+        ap.error("--layers applies to --shape models; a --model checkpoint runs all of its layers")
     if args.decode_processes is None:
         args.decode_processes = "each" if args.device.startswith("cuda") else "shared"
     args.parts = [p for p in args.parts.split(",") if p]

@@ -39,7 +39,7 @@ def _progress(label: str, every_s: float = 5.0):
 
 def _load(args):
     """(model, prompt_ids, decode) for the tiny built-in model or a local checkpoint."""
-    from .models import build_model
+    from .models import build_model, load_checkpoint
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
@@ -49,10 +49,10 @@ def _load(args):
         model = build_model("tiny-e4b", dtype=dtype, device=device)
         prompt = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
         return model, prompt.to(device), lambda ids: " ".join(str(i) for i in ids[:16]) + (" ..." if len(ids) > 16 else "")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True).to(device).eval()
+    model = load_checkpoint(args.model, dtype=dtype, device=device)
     prompt = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     return model, prompt, lambda ids: repr(tokenizer.decode(ids, skip_special_tokens=True))
 

@@ -1,6 +1,6 @@
 """Gemma-4 text configs and models built in code (no downloads): the tiny test/demo models and the real E4B/E2B
 shapes for benchmarks. Configs are built from keyword arguments, because a config file saved by one transformers
-version can load wrongly in another (design.md section 5)."""
+version can load wrongly in another (design.md section 5). `load_checkpoint` loads a real one from a local path."""
 
 from __future__ import annotations
 
@@ -77,3 +77,12 @@ def build_model(shape: str = "tiny-e4b", num_layers: int | None = None, dtype=to
         model = Gemma4ForCausalLM(config)
     randomize_norms_and_scalars(model, torch.Generator().manual_seed(seed + 1))
     return model.to(dtype).eval()
+
+
+def load_checkpoint(path: str, dtype=torch.bfloat16, device="cpu"):
+    """A Gemma-4 causal LM from a local checkpoint directory, in eval mode; never downloads."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return model.to(device).eval()
+

@@ -112,3 +112,40 @@ def test_embedding_backward_bench_smoke(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [r["variant"] for r in rows] == ["stock eager", "stock compile", "g4ops compile"]
     assert all(r["ms"] > 0 and r["grad_max_abs_diff_vs_stock_eager"] < 0.1 for r in rows), rows
+
+
+def _save_checkpoint_with_tokenizer(path: Path, words: list[str]) -> None:
+    """A tiny Gemma-4 checkpoint directory, as a real one is laid out: weights, config and a tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from g4ops.models import build_model
+
+    build_model("tiny-e4b").save_pretrained(path)
+    vocab = {w: i for i, w in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>").save_pretrained(path)
+
+
+def test_e2e_parity_on_a_local_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _save_checkpoint_with_tokenizer(ckpt, ["the", "cat", "sat", "on", "mat"])
+    out = tmp_path / "e2e.json"
+    _run(["bench/e2e.py", "--device", "cpu", "--model", str(ckpt), "--prompt", "the cat sat", "--smoke",
+          "--parts", "parity", "--json", str(out)], tmp_path)
+    res = json.loads(out.read_text())
+    assert "errors" not in res, res.get("errors")
+    assert res["meta"]["args"]["model"] == str(ckpt)
+    parity = res["parity"]
+    assert parity["prompt_tokens"] == 3  # the tokenizer's ids of "the cat sat", not --prompt-len random ones
+    assert parity["teacher_forced"]["layers"] == 6  # the checkpoint's own count, not --shape's
+    assert parity["fp32_greedy"]["layers"] == 6  # --fp32-layers does not cut a checkpoint
+    assert parity["fp32_greedy"]["identical"] is True
+    assert parity["teacher_forced"]["teacher_forced_top1_agreement"] == 1.0  # fp32 on CPU
+
+
+def test_e2e_rejects_a_prompt_without_a_checkpoint(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/e2e.py", "--device", "cpu", "--prompt", "hi"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--prompt needs --model" in proc.stderr
