@@ -30,13 +30,18 @@ Semantics (what `attention` returns is softmax(scale * q k^T + mask) v, per quer
 - Memory: forward saves only q, k, v and the fp32 row logsumexp; backward recomputes P chunk by chunk. The
   transient per chunk is a [B, Hq, chunk, visible keys] fp32 score block.
 
-It is a `torch.autograd.Function` of plain ATen ops whose Python loop over chunks depends only on shapes, so
-`torch.compile(fullgraph=True)` traces it (no graph break) and Inductor fuses the softmax work around the GEMMs.
+Forward and backward are plain ATen ops in a Python loop over chunks that depends only on shapes. With a gradient
+to compute, `attention` calls the registered op `g4ops::attention`, whose Autograd kernel is a
+`torch.autograd.Function` of them: torch.compile sees one op (an autograd.Function in the graph would make PyTorch's
+AOTAutograd cache refuse to store the compiled step), and AOTAutograd traces both loops into ATen ops, which Inductor
+fuses around the GEMMs. Without a gradient the forward loop is traced directly.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .ops import _BELOW_AUTOGRAD, _lib
 
 CHUNK = 512  # least query rows per GEMM block: big enough for full-speed GEMMs
 MAX_CHUNKS = 4  # most blocks per call: torch.compile unrolls the loop, and at 8192 tokens 16 blocks per layer made a
@@ -122,77 +127,110 @@ def _key_range(q0: int, q1: int, offset: int, window: int | None) -> tuple[int, 
     return lo, hi
 
 
-class _Attention(torch.autograd.Function):
-    # q [B, Hkv, G, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv], all contiguous; out [B, Hkv, G, L, Dv].
-    # A chunk of G * rows query rows of one kv head is one GEMM batch entry: [B * Hkv, G * rows, D].
+# q [B, Hkv, G, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv], all contiguous; out [B, Hkv, G, L, Dv].
+# A chunk of G * rows query rows of one kv head is one GEMM batch entry: [B * Hkv, G * rows, D].
 
+
+def _forward(q, k, v, scale: float, window: int | None, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (out, the fp32 row logsumexp the backward needs)."""
+    b, hkv, g, n, d = q.shape
+    s_len, e = k.shape[2], v.shape[3]
+    acc, op = _acc_dtype(q.dtype), _operand_dtype(q)
+    offset = s_len - n
+    qo, ko, vo = q.to(op), k.to(op), v.to(op)  # no-op but for dtypes the GEMMs upcast (fp8)
+    outs, lses = [], []
+    with torch.autocast(q.device.type, enabled=False):  # the GEMM dtypes below are chosen on purpose
+        for q0 in range(0, n, chunk):
+            q1 = min(q0 + chunk, n)
+            lo, hi = _key_range(q0, q1, offset, window)
+            rows = q1 - q0
+            qc = qo[:, :, :, q0:q1].reshape(b * hkv, g * rows, d)
+            kc = ko[:, :, lo:hi].reshape(b * hkv, hi - lo, d)
+            vc = vo[:, :, lo:hi].reshape(b * hkv, hi - lo, e)
+            s = (_bmm(qc, kc.transpose(1, 2), acc) * scale).view(b, hkv, g, rows, hi - lo)
+            pos = torch.arange(q0 + offset, q1 + offset, device=q.device)
+            seen = _visible(pos, torch.arange(lo, hi, device=q.device), window)
+            s = s.masked_fill(~seen, float("-inf"))
+            lse = torch.logsumexp(s, dim=-1)  # every row sees at least its own key: finite
+            p = _parts(torch.exp(s - lse[..., None]).view(b * hkv, g * rows, hi - lo), op)
+            outs.append(_bmm_sum(p, vc, acc).view(b, hkv, g, rows, e).to(q.dtype))
+            lses.append(lse)
+    return torch.cat(outs, dim=3), torch.cat(lses, dim=3)
+
+
+def _backward(grad_out, q, k, v, lse, scale: float, window: int | None, chunk: int):
+    """-> (dq, dk, dv). dV += P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), dQ = dS K * scale,
+    dK += dS^T Q * scale."""
+    b, hkv, g, n, d = q.shape
+    s_len, e = k.shape[2], v.shape[3]
+    acc, op = _acc_dtype(q.dtype), _operand_dtype(q)
+    offset = s_len - n
+    qo, ko, vo = q.to(op), k.to(op), v.to(op)
+    grad_out = grad_out.contiguous().to(op)
+    dk = torch.zeros(b, hkv, s_len, d, dtype=acc, device=q.device)
+    dv = torch.zeros(b, hkv, s_len, e, dtype=acc, device=q.device)
+    dqs = []
+    with torch.autocast(q.device.type, enabled=False):
+        for q0 in range(0, n, chunk):
+            q1 = min(q0 + chunk, n)
+            lo, hi = _key_range(q0, q1, offset, window)
+            rows, width = q1 - q0, hi - lo
+            qc = qo[:, :, :, q0:q1].reshape(b * hkv, g * rows, d)
+            doc = grad_out[:, :, :, q0:q1].reshape(b * hkv, g * rows, e)
+            kc = ko[:, :, lo:hi].reshape(b * hkv, width, d)
+            vc = vo[:, :, lo:hi].reshape(b * hkv, width, e)
+            s = (_bmm(qc, kc.transpose(1, 2), acc) * scale).view(b, hkv, g, rows, width)
+            pos = torch.arange(q0 + offset, q1 + offset, device=q.device)
+            seen = _visible(pos, torch.arange(lo, hi, device=q.device), window)
+            p = torch.exp(s.masked_fill(~seen, float("-inf")) - lse[:, :, :, q0:q1, None])
+            dp = _bmm(doc, vc.transpose(1, 2), acc).view(b, hkv, g, rows, width)
+            # rowsum(P * dP) equals rowsum(dO * O) (every key a row sees is in this block), but to fp32: taken
+            # from the bf16 O, the cancellation in dP - rowsum amplified O's rounding to 3.5x stock's dq, dk error
+            ds = _parts((p * (dp - (p * dp).sum(-1, keepdim=True))).view(b * hkv, g * rows, width), op)
+            p = _parts(p.view(b * hkv, g * rows, width), op)
+            dv[:, :, lo:hi] += _bmm_sum(_transposed(p), doc, acc).view(b, hkv, width, e)
+            dk[:, :, lo:hi] += _bmm_sum(_transposed(ds), qc, acc).view(b, hkv, width, d) * scale
+            dqs.append((_bmm_sum(ds, kc, acc) * scale).view(b, hkv, g, rows, d).to(q.dtype))
+    return torch.cat(dqs, dim=3), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale: float, window: int | None, chunk: int):
-        b, hkv, g, n, d = q.shape
-        s_len, e = k.shape[2], v.shape[3]
-        acc, op = _acc_dtype(q.dtype), _operand_dtype(q)
-        offset = s_len - n
-        qo, ko, vo = q.to(op), k.to(op), v.to(op)  # no-op but for dtypes the GEMMs upcast (fp8)
-        outs, lses = [], []
-        with torch.autocast(q.device.type, enabled=False):  # the GEMM dtypes below are chosen on purpose
-            for q0 in range(0, n, chunk):
-                q1 = min(q0 + chunk, n)
-                lo, hi = _key_range(q0, q1, offset, window)
-                rows = q1 - q0
-                qc = qo[:, :, :, q0:q1].reshape(b * hkv, g * rows, d)
-                kc = ko[:, :, lo:hi].reshape(b * hkv, hi - lo, d)
-                vc = vo[:, :, lo:hi].reshape(b * hkv, hi - lo, e)
-                s = (_bmm(qc, kc.transpose(1, 2), acc) * scale).view(b, hkv, g, rows, hi - lo)
-                pos = torch.arange(q0 + offset, q1 + offset, device=q.device)
-                seen = _visible(pos, torch.arange(lo, hi, device=q.device), window)
-                s = s.masked_fill(~seen, float("-inf"))
-                lse = torch.logsumexp(s, dim=-1)  # every row sees at least its own key: finite
-                p = _parts(torch.exp(s - lse[..., None]).view(b * hkv, g * rows, hi - lo), op)
-                outs.append(_bmm_sum(p, vc, acc).view(b, hkv, g, rows, e).to(q.dtype))
-                lses.append(lse)
-        out = torch.cat(outs, dim=3)
-        lse = torch.cat(lses, dim=3)
+        out, lse = _forward(q, k, v, scale, window, chunk)
         ctx.save_for_backward(q, k, v, lse)
         ctx.scale, ctx.window, ctx.chunk = scale, window, chunk
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        # dV += P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), dQ = dS K * scale, dK += dS^T Q * scale
         q, k, v, lse = ctx.saved_tensors
-        scale, window, chunk = ctx.scale, ctx.window, ctx.chunk
-        b, hkv, g, n, d = q.shape
-        s_len, e = k.shape[2], v.shape[3]
-        acc, op = _acc_dtype(q.dtype), _operand_dtype(q)
-        offset = s_len - n
-        qo, ko, vo = q.to(op), k.to(op), v.to(op)
-        grad_out = grad_out.contiguous().to(op)
-        dk = torch.zeros(b, hkv, s_len, d, dtype=acc, device=q.device)
-        dv = torch.zeros(b, hkv, s_len, e, dtype=acc, device=q.device)
-        dqs = []
-        with torch.autocast(q.device.type, enabled=False):
-            for q0 in range(0, n, chunk):
-                q1 = min(q0 + chunk, n)
-                lo, hi = _key_range(q0, q1, offset, window)
-                rows, width = q1 - q0, hi - lo
-                qc = qo[:, :, :, q0:q1].reshape(b * hkv, g * rows, d)
-                doc = grad_out[:, :, :, q0:q1].reshape(b * hkv, g * rows, e)
-                kc = ko[:, :, lo:hi].reshape(b * hkv, width, d)
-                vc = vo[:, :, lo:hi].reshape(b * hkv, width, e)
-                s = (_bmm(qc, kc.transpose(1, 2), acc) * scale).view(b, hkv, g, rows, width)
-                pos = torch.arange(q0 + offset, q1 + offset, device=q.device)
-                seen = _visible(pos, torch.arange(lo, hi, device=q.device), window)
-                p = torch.exp(s.masked_fill(~seen, float("-inf")) - lse[:, :, :, q0:q1, None])
-                dp = _bmm(doc, vc.transpose(1, 2), acc).view(b, hkv, g, rows, width)
-                # rowsum(P * dP) equals rowsum(dO * O) (every key a row sees is in this block), but to fp32: taken
-                # from the bf16 O, the cancellation in dP - rowsum amplified O's rounding to 3.5x stock's dq, dk error
-                ds = _parts((p * (dp - (p * dp).sum(-1, keepdim=True))).view(b * hkv, g * rows, width), op)
-                p = _parts(p.view(b * hkv, g * rows, width), op)
-                dv[:, :, lo:hi] += _bmm_sum(_transposed(p), doc, acc).view(b, hkv, width, e)
-                dk[:, :, lo:hi] += _bmm_sum(_transposed(ds), qc, acc).view(b, hkv, width, d) * scale
-                dqs.append((_bmm_sum(ds, kc, acc) * scale).view(b, hkv, g, rows, d).to(q.dtype))
-        dq = torch.cat(dqs, dim=3)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return *_backward(grad_out, q, k, v, lse, ctx.scale, ctx.window, ctx.chunk), None, None, None
+
+
+# The op `attention` calls when a gradient is wanted (module docstring): q already grouped by kv head, 5-D.
+_lib.define("attention(Tensor q, Tensor k, Tensor v, float scale, SymInt? window, SymInt chunk) -> Tensor")
+
+
+def _attention_kernel(q, k, v, scale, window, chunk):
+    return _forward(q, k, v, scale, window, chunk)[0]
+
+
+def _attention_autograd(keyset, q, k, v, scale, window, chunk):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _Attention.apply(q, k, v, scale, window, chunk)
+    return torch.ops.g4ops.attention.default.redispatch(keyset & _BELOW_AUTOGRAD, q, k, v, scale, window, chunk)
+
+
+@torch.library.register_fake("g4ops::attention", lib=_lib)
+def _attention_fake(q, k, v, scale, window, chunk):
+    torch._check(q.dim() == 5 and k.dim() == 4 and v.dim() == 4,
+                 lambda: "g4ops::attention: q [B, Hkv, G, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv]")  # fmt: skip
+    return q.new_empty((*q.shape[:4], v.shape[3]))
+
+
+_lib.impl("attention", _attention_kernel, "CompositeExplicitAutograd")
+_lib.impl("attention", _attention_autograd, "Autograd", with_keyset=True)
 
 
 def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window, chunk: int) -> None:
@@ -254,7 +292,11 @@ def attention(
     if scale is None:
         scale = d**-0.5
     q = query.contiguous().view(b, hkv, hq // hkv, n, d)
-    out = _Attention.apply(q, key.contiguous(), value.contiguous(), float(scale), window, chunk)
+    k, v = key.contiguous(), value.contiguous()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out = torch.ops.g4ops.attention(q, k, v, float(scale), window, chunk)
+    else:
+        out = _forward(q, k, v, float(scale), window, chunk)[0]
     return out.view(b, hq, n, value.shape[-1])
 
 

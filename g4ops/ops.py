@@ -5,6 +5,8 @@ Public ops (design.md section 3):
     torch.ops.g4ops.geglu_mlp(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down) -> Tensor
     torch.ops.g4ops.sandwich_norm(Tensor branch, Tensor residual, Tensor? post_weight, Tensor? pre_weight, float eps)
         -> (Tensor sum, Tensor normed)     Gemma's post-norm + residual add + next pre-norm (reference.py says how)
+    torch.ops.g4ops.embedding(Tensor indices, Tensor weight, SymInt padding_idx) -> Tensor
+                                           F.embedding whose weight gradient is embedding_backward (`embedding`)
 Internal ops, each a real operator so autograd, torch.compile and CUDA graphs see them:
     rms_norm_backward      grad_x and the weight gradient (fp32 reduction) of rms_norm
     geglu_mlp_forward      the training forward: also returns the gate and up GEMM outputs for the backward
@@ -52,6 +54,7 @@ _SCHEMAS = {
         "sandwich_norm_backward(Tensor grad_sum, Tensor grad_normed, Tensor branch, Tensor sum, Tensor? post_weight,"
         " Tensor? pre_weight, float eps, bool[2] weight_grads) -> (Tensor, Tensor, Tensor, Tensor)"
     ),
+    "embedding": "embedding(Tensor indices, Tensor weight, SymInt padding_idx) -> Tensor",
     "embedding_backward": (
         "embedding_backward(Tensor grad_out, Tensor indices, SymInt num_weights, SymInt padding_idx) -> Tensor"
     ),
@@ -160,19 +163,31 @@ def _check_sandwich_norm_backward(grad_sum, grad_normed, branch, s, post_weight,
         _check_same_device(op, branch=branch, **{name: t})
 
 
-def _check_embedding_backward(grad_out, indices, num_weights, padding_idx):
-    op = "embedding_backward"
-    _check_floating("grad_out", grad_out)
+def _check_embedding_rows(op: str, indices, num_weights, padding_idx):
     torch._check_type(
         indices.dtype in (torch.int32, torch.int64),
         lambda: f"g4ops.{op}: `indices` must be int32 or int64, got {indices.dtype}",
     )
-    _check_shape(op, "grad_out", grad_out, (*indices.shape, grad_out.shape[-1]), "`indices` + [embedding_dim]")
     torch._check(num_weights >= 1, lambda: f"g4ops.{op}: `num_weights` must be >= 1, got {num_weights}")
     torch._check(
         -1 <= padding_idx < num_weights,
         lambda: f"g4ops.{op}: `padding_idx` must be -1 (none) or a row in [0, {num_weights}), got {padding_idx}",
     )
+
+
+def _check_embedding(indices, weight, padding_idx):
+    op = "embedding"
+    _check_floating("weight", weight)
+    torch._check(weight.dim() == 2, lambda: f"g4ops.{op}: `weight` must be 2-D [rows, dim], got {list(weight.shape)}")
+    _check_embedding_rows(op, indices, weight.shape[0], padding_idx)
+    _check_same_device(op, weight=weight, indices=indices)
+
+
+def _check_embedding_backward(grad_out, indices, num_weights, padding_idx):
+    op = "embedding_backward"
+    _check_floating("grad_out", grad_out)
+    _check_embedding_rows(op, indices, num_weights, padding_idx)
+    _check_shape(op, "grad_out", grad_out, (*indices.shape, grad_out.shape[-1]), "`indices` + [embedding_dim]")
     _check_same_device(op, grad_out=grad_out, indices=indices)
 
 
@@ -208,6 +223,7 @@ _OPS = {
 }
 # Ops whose kernel on every device is ATen's own (no csrc kernel): op name -> (check, kernel).
 _ATEN_OPS = {
+    "embedding": (_check_embedding, reference.embedding),
     "embedding_backward": (_check_embedding_backward, reference.embedding_backward),
 }
 
@@ -307,6 +323,12 @@ def _sandwich_norm_backward_fake(grad_sum, grad_normed, branch, s, post_weight, 
     return branch.new_empty(branch.shape), branch.new_empty(branch.shape), *weight_grad
 
 
+@torch.library.register_fake("g4ops::embedding", lib=_lib)
+def _embedding_fake(indices, weight, padding_idx):
+    _check_embedding(indices, weight, padding_idx)
+    return weight.new_empty((*indices.shape, weight.shape[1]))
+
+
 @torch.library.register_fake("g4ops::embedding_backward", lib=_lib)
 def _embedding_backward_fake(grad_out, indices, num_weights, padding_idx):
     _check_embedding_backward(grad_out, indices, num_weights, padding_idx)
@@ -378,14 +400,14 @@ class _SandwichNormFunction(torch.autograd.Function):
 
 
 class _EmbeddingFunction(torch.autograd.Function):
-    """F.embedding whose weight gradient is `g4ops.embedding_backward`. The forward stays plain ATen (Inductor
-    fuses the gather with what follows); only the backward is opaque (see `embedding`)."""
+    """F.embedding whose weight gradient is `g4ops.embedding_backward`. The forward is plain ATen, so AOTAutograd
+    traces the gather itself and Inductor fuses it with what follows; only the backward is opaque (see `embedding`)."""
 
     @staticmethod
     def forward(ctx, indices, weight, padding_idx):
         ctx.save_for_backward(indices)
         ctx.num_weights, ctx.padding_idx = weight.shape[0], padding_idx
-        return torch.nn.functional.embedding(indices, weight, None if padding_idx < 0 else padding_idx)
+        return reference.embedding(indices, weight, padding_idx)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -417,6 +439,12 @@ def _sandwich_norm_autograd(keyset, branch, residual, post_weight, pre_weight, e
     return torch.ops.g4ops.sandwich_norm.default.redispatch(keyset & _BELOW_AUTOGRAD, *inputs, eps)
 
 
+def _embedding_autograd(keyset, indices, weight, padding_idx):
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return _EmbeddingFunction.apply(indices, weight, padding_idx)
+    return torch.ops.g4ops.embedding.default.redispatch(keyset & _BELOW_AUTOGRAD, indices, weight, padding_idx)
+
+
 def _internal_op_autograd(name: str, check=None):
     """The internal ops are steps of the public ops' autograd formulas: they refuse to be differentiated (no silent
     missing gradient). `check`: an input check to run first, for ops without a BackendSelect guard."""
@@ -435,6 +463,7 @@ def _internal_op_autograd(name: str, check=None):
 _lib.impl("rms_norm", _rms_norm_autograd, "Autograd", with_keyset=True)
 _lib.impl("geglu_mlp", _geglu_mlp_autograd, "Autograd", with_keyset=True)
 _lib.impl("sandwich_norm", _sandwich_norm_autograd, "Autograd", with_keyset=True)
+_lib.impl("embedding", _embedding_autograd, "Autograd", with_keyset=True)
 for _name in ("rms_norm_backward", "geglu_mlp_forward", "geglu_mlp_backward", "sandwich_norm_backward",
               "embedding_backward"):
     _lib.impl(_name, _internal_op_autograd(_name), "Autograd", with_keyset=True)
@@ -494,7 +523,10 @@ def embedding(indices: torch.Tensor, weight: torch.Tensor, padding_idx: int | No
     Why: under torch.compile Inductor decomposes the embedding backward into a zero-filled fp32 [rows, dim] table,
     an index_put and a cast. For Gemma-4 E4B's per-layer-input table (262144 x 10752) that is a 10.5 GiB fp32
     transient next to the 5.25 GiB bf16 gradient; ATen's kernel (what eager runs) accumulates each index's rows in
-    fp32 and writes the bf16 gradient directly."""
+    fp32 and writes the bf16 gradient directly.
+
+    With a gradient to compute, the call is the registered op `g4ops::embedding` (so torch.compile sees an op, not
+    an autograd.Function, which PyTorch's AOTAutograd cache refuses to store); without one, plain F.embedding."""
     if not isinstance(indices, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("g4ops.embedding: `indices` and `weight` must be tensors")
     if weight.dim() != 2:
@@ -507,5 +539,5 @@ def embedding(indices: torch.Tensor, weight: torch.Tensor, padding_idx: int | No
     elif padding_idx < 0:
         padding_idx += rows
     if torch.is_grad_enabled() and weight.requires_grad:
-        return _EmbeddingFunction.apply(indices, weight, padding_idx)
-    return torch.nn.functional.embedding(indices, weight, None if padding_idx < 0 else padding_idx)
+        return torch.ops.g4ops.embedding(indices, weight, padding_idx)
+    return reference.embedding(indices, weight, padding_idx)

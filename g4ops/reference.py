@@ -145,11 +145,17 @@ def geglu_mlp_backward(
     return grad_x, grad_wg, grad_wu, grad_wd
 
 
+def embedding(indices: torch.Tensor, weight: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    """The lookup itself: ATen's, as stock (padding_idx -1: none)."""
+    return torch.nn.functional.embedding(indices, weight, None if padding_idx < 0 else padding_idx)
+
+
 def embedding_backward(grad_out: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int):
     """Weight gradient of an embedding lookup: grad_out's rows summed into the rows `indices` name (the padding row
-    gets none) in the accumulation dtype, rounded once to grad_out's dtype. On CUDA that is ATen's kernel as is
-    (fp32 partial sums, no [rows, dim] fp32 table); ATen's CPU kernel sums bf16/fp16 in their own dtype, so on other
-    devices the sum runs on an upcast copy."""
+    gets none) in the accumulation dtype. On CUDA that is ATen's kernel as is: fp32 partial sums and no
+    [rows, dim] fp32 table; for up to 3072 indices it rounds into grad_out's dtype once per 32-index chunk, beyond
+    that once per row. ATen's CPU kernel sums bf16/fp16 in their own dtype, so on other devices the sum runs on an
+    upcast copy and rounds once."""
     if grad_out.is_cuda:
         return torch.ops.aten.embedding_dense_backward(grad_out, indices, num_weights, padding_idx, False)
     acc = accumulation_dtype(grad_out.dtype)

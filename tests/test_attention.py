@@ -322,6 +322,16 @@ def test_gradcheck_fp64(device, window):
     assert torch.autograd.gradcheck(lambda q, k, v: attention(q, k, v, 0.7, window, chunk=4), leaves)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 3])
+def test_opcheck_attention_op(device, window):
+    # the registered op attention() calls when a gradient is wanted (q grouped by kv head: [B, Hkv, G, L, D])
+    gen = _gen(4)
+    q = O.make_tensor((1, 2, 2, 6, 5), torch.float32, gen, device=device).detach().requires_grad_()
+    k, v = (O.make_tensor((1, 2, 8, 5), torch.float32, gen, device=device).detach().requires_grad_() for _ in "kv")
+    torch.library.opcheck(torch.ops.g4ops.attention.default, (q, k, v, 0.7, window, 4))
+
+
 def test_sliding_pattern_is_transformers_own():
     """The oracle's visibility rule is transformers' sliding-window causal mask, boundary included."""
     from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function

@@ -132,6 +132,15 @@ def test_opcheck_embedding_backward(device):
         )
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_embedding(device):
+    gen = torch.Generator().manual_seed(8)
+    weight = O.make_tensor((40, 9), torch.float32, gen, device=device).detach().requires_grad_()
+    indices = torch.randint(0, 40, (3, 7), generator=gen).to(device)
+    for padding_idx in (-1, 0, 39):
+        torch.library.opcheck(torch.ops.g4ops.embedding.default, (indices, weight, padding_idx))
+
+
 def _backward_graph_targets(fn, *args):
     """The call targets of the backward graph AOTAutograd builds for fn (what Inductor would compile)."""
     from torch._functorch.aot_autograd import aot_module_simplified
