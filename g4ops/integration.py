@@ -268,6 +268,49 @@ def _probe_once(hf) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Layer-type order. Gemma4TextModel keeps `unique_layer_types` as a set of strings and computes one rotary table per
+# element, in the set's iteration order, which follows the process's string-hash seed (PYTHONHASHSEED). torch.compile
+# traces that order into the graph, so a new process builds a different graph about half the time and PyTorch's
+# compile caches miss (tests/test_compile_cache.py). enable() iterates it sorted; a set has no order to preserve.
+
+_LAYER_TYPES = "unique_layer_types"
+
+
+def _layer_types_sorted(self):
+    return tuple(sorted(self.__dict__[_LAYER_TYPES]))
+
+
+def _store_layer_types(self, value):
+    self.__dict__[_LAYER_TYPES] = value
+
+
+_SORTED_LAYER_TYPES = property(_layer_types_sorted, _store_layer_types)  # on the class: every instance, old and new
+_sorted_layer_types_classes: list[type] = []
+
+
+def _sort_layer_types_of_class(cls: type) -> bool:
+    if cls in _sorted_layer_types_classes:
+        return False
+    setattr(cls, _LAYER_TYPES, _SORTED_LAYER_TYPES)
+    _sorted_layer_types_classes.append(cls)
+    return True
+
+
+def _unsort_layer_types_of_class(cls: type) -> None:
+    if cls in _sorted_layer_types_classes:
+        delattr(cls, _LAYER_TYPES)  # each instance's own set shows again
+        _sorted_layer_types_classes.remove(cls)
+
+
+def _sort_layer_types_of_module(module: nn.Module) -> bool:
+    types_ = vars(module).get(_LAYER_TYPES)
+    if not isinstance(types_, set):
+        return False
+    module.__dict__[_LAYER_TYPES] = tuple(sorted(types_))
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Patch bookkeeping
 
 
@@ -284,9 +327,10 @@ class _Patches:
     """What one `enable()` call changed; a context manager that undoes exactly that on exit."""
 
     def __init__(self, classes: list[type], modules: list[nn.Module], configs=(), registered: bool = False,
-                 generate_classes=()):  # fmt: skip
+                 generate_classes=(), layer_order_classes=()):  # fmt: skip
         self.classes = classes
         self.generate_classes = list(generate_classes)
+        self.layer_order_classes = list(layer_order_classes)
         self.modules = [weakref.ref(m) for m in modules]
         self.configs = [weakref.ref(c) for c in configs]
         self.registered = registered
@@ -299,6 +343,8 @@ class _Patches:
             _unpatch_class(cls)
         for cls in self.generate_classes:
             _unpatch_generate(cls)
+        for cls in self.layer_order_classes:
+            _unsort_layer_types_of_class(cls)
         if self.generate_classes:
             release_decoders()
         for ref in self.modules:
@@ -322,6 +368,11 @@ def _causal_lm_classes(hf) -> list[type]:
     what AutoModelForCausalLM loads for the released checkpoints: text-only generate calls; an image or audio input
     is an extra argument, which keeps the call on stock generate)."""
     return [getattr(hf, n) for n in ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration") if hasattr(hf, n)]
+
+
+def _text_model_classes(hf) -> list[type]:
+    """The text decoders whose `unique_layer_types` set is iterated in forward (see "Layer-type order")."""
+    return [hf.Gemma4TextModel] if hasattr(hf, "Gemma4TextModel") else []
 
 
 def _patch_generate(cls: type) -> bool:
@@ -356,6 +407,8 @@ def _unpatch_module(module: nn.Module) -> None:
     if generate is not None and hasattr(getattr(generate, "__func__", None), _STOCK_GENERATE):
         del module.generate
         vars(module).pop("_g4ops_decoder", None)
+    if isinstance(vars(module).get(_LAYER_TYPES), tuple):  # stock keeps a set: a tuple is ours
+        module.__dict__[_LAYER_TYPES] = set(module.__dict__[_LAYER_TYPES])
     _instance_patches[:] = [r for r in _instance_patches if r() is not None and r() is not module]
 
 
@@ -542,10 +595,12 @@ def enable(model: nn.Module | None = None, attention: bool = False, decode: bool
     """Patch every Gemma-4 norm/MLP (and the causal-LM loss) class, or only the modules of `model`; register the
     "g4ops" attention implementation, and with `model` and `attention=True`, switch its Gemma-4 text attention from
     "sdpa" to it. Opt-in, because on the H200 (2026-11-29) it beat stock only under torch.compile: a 42-layer finetune
-    step 1.32x stock compile at 2048 tokens and 2.35x at 8192; in eager its full layers are 0.8x stock
+    step 1.36x stock compile at 2048 tokens and 2.37x at 8192; in eager its full layers are 0.8x stock
     (g4ops.attention's docstring has the per-layer numbers).
 
     `decode`: route eligible `generate()` calls of Gemma4ForCausalLM to g4ops.decode.GreedyDecoder (module docstring).
+    Gemma4TextModel's set of layer types is iterated sorted, so compile caches work across processes ("Layer-type
+    order" above).
 
     Idempotent; returns a handle that works as a context manager (`with g4ops.enable(): ...`) and undoes on exit
     only what this call changed."""
@@ -565,7 +620,9 @@ def enable(model: nn.Module | None = None, attention: bool = False, decode: bool
                 cls.forward = make_forward(cls.forward)
                 patched.append(cls)
         generate = [cls for cls in _causal_lm_classes(hf) if decode and _patch_generate(cls)]
-        return _Patches(patched, [], registered=registered, generate_classes=generate)
+        layer_order = [cls for cls in _text_model_classes(hf) if _sort_layer_types_of_class(cls)]
+        return _Patches(patched, [], registered=registered, generate_classes=generate,
+                        layer_order_classes=layer_order)  # fmt: skip
     patched_modules = []
     if (decode and isinstance(model, tuple(_causal_lm_classes(hf))) and "generate" not in vars(model)
             and not any(isinstance(model, cls) for cls in _generate_patches)):  # fmt: skip
@@ -573,6 +630,9 @@ def enable(model: nn.Module | None = None, attention: bool = False, decode: bool
         _instance_patches.append(weakref.ref(model))
         patched_modules.append(model)
     for module in model.modules():
+        if isinstance(module, tuple(_text_model_classes(hf))) and _sort_layer_types_of_module(module):
+            _instance_patches.append(weakref.ref(module))
+            patched_modules.append(module)
         # isinstance, not type equality: FSDP2's fully_shard turns a module's class into a generated subclass.
         cls = next((c for c in table if isinstance(module, c)), None)
         if cls is None or "forward" in vars(module) or cls in _class_patches:
@@ -595,6 +655,8 @@ def disable(model: nn.Module | None = None) -> None:
             _unpatch_class(cls)
         for cls in list(_generate_patches):
             _unpatch_generate(cls)
+        for cls in list(_sorted_layer_types_classes):
+            _unsort_layer_types_of_class(cls)
         release_decoders()
         for ref in list(_instance_patches):
             module = ref()

@@ -143,6 +143,23 @@ def test_enable_model_patches_only_that_model():
     assert not any("forward" in vars(m) for m in model.modules())
 
 
+def test_layer_types_iterate_sorted_while_enabled_and_as_a_set_after():
+    """Stock iterates a set (order follows the hash seed, which breaks compile-cache reuse: test_compile_cache.py);
+    enable() makes it sorted, by a class property or on the model's own module, and disable() undoes both."""
+    old = build_model("tiny-e4b")  # built before the class patch: the property covers it too
+    expected = tuple(sorted(set(old.config.layer_types)))
+    assert isinstance(old.model.unique_layer_types, set)
+    with g4ops.enable():
+        new = build_model("tiny-e4b")
+        assert old.model.unique_layer_types == expected and new.model.unique_layer_types == expected
+    assert isinstance(old.model.unique_layer_types, set) and isinstance(new.model.unique_layer_types, set)
+    assert "unique_layer_types" not in vars(hf.Gemma4TextModel)
+    g4ops.enable(old)
+    assert old.model.unique_layer_types == expected and "unique_layer_types" not in vars(hf.Gemma4TextModel)
+    g4ops.disable(old)
+    assert old.model.unique_layer_types == set(expected)
+
+
 def test_norm_variants_towers_and_no_weight():
     for dim in (768, 1024, 5):  # vision and audio towers reuse the class at other widths
         norm = hf.Gemma4RMSNorm(dim, eps=1e-6)
