@@ -277,7 +277,10 @@ _LAYER_TYPES = "unique_layer_types"
 
 
 def _layer_types_sorted(self):
-    return tuple(sorted(self.__dict__[_LAYER_TYPES]))
+    types_ = self.__dict__.get(_LAYER_TYPES)
+    if types_ is None:  # not set yet: what the attribute lookup would say without us (hasattr stays False)
+        raise AttributeError(f"{type(self).__name__} has no attribute {_LAYER_TYPES!r}")
+    return tuple(sorted(types_))
 
 
 def _store_layer_types(self, value):

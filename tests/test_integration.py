@@ -152,6 +152,8 @@ def test_layer_types_iterate_sorted_while_enabled_and_as_a_set_after():
     with g4ops.enable():
         new = build_model("tiny-e4b")
         assert old.model.unique_layer_types == expected and new.model.unique_layer_types == expected
+        blank = hf.Gemma4TextModel.__new__(hf.Gemma4TextModel)  # before its __init__ set the attribute
+        assert not hasattr(blank, "unique_layer_types")
     assert isinstance(old.model.unique_layer_types, set) and isinstance(new.model.unique_layer_types, set)
     assert "unique_layer_types" not in vars(hf.Gemma4TextModel)
     g4ops.enable(old)
