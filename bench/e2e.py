@@ -143,7 +143,7 @@ def prompt_ids(args, batch: int, seed: int) -> torch.Tensor:
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(args.model, local_files_only=True)(args.prompt, return_tensors="pt").input_ids
-    return ids.expand(batch, -1).to(args.device)
+    return ids.repeat(batch, 1).to(args.device)
 
 
 @contextlib.contextmanager

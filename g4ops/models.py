@@ -85,4 +85,3 @@ def load_checkpoint(path: str, dtype=torch.bfloat16, device="cpu"):
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model.to(device).eval()
-
