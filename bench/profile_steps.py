@@ -4,6 +4,11 @@ Prints, per case: wall time per step, GPU busy time per step (sum of kernel time
 the top kernels by total time. Wall >> GPU busy means the host (Python, launches, syncs) is the bottleneck.
 
     python bench/profile_steps.py --layers 12 --parts decode,train --json $OUT/profile.json
+    python bench/profile_steps.py --layers 12 --parts graph --batches 1,4   # g4ops.decode.GreedyDecoder's step
+
+`graph`: the compiled step of the CUDA-graphed decoder. Its wall time per token is measured on graph replays
+(`generate`, no profiler); the kernel table comes from the same compiled step run without the graph, so it lists
+every kernel a replay runs (their GPU times are the same; launch gaps are not).
 """
 
 from __future__ import annotations
@@ -55,6 +60,27 @@ def decode_case(model, batch: int, new_tokens: int):
     return step
 
 
+def graph_decode_case(model, batch: int, new_tokens: int, top: int) -> dict:
+    from g4ops.decode import GreedyDecoder
+
+    prompt = torch.randint(3, model.config.vocab_size, (batch, 16), device="cuda")
+    decoder = GreedyDecoder(model, batch_size=batch, max_length=16 + new_tokens, compile=True)
+    decoder.generate(prompt, new_tokens)  # compile + capture + one full run
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    decoder.generate(prompt, new_tokens)
+    torch.cuda.synchronize()
+    replay_us = (time.perf_counter() - start) * 1e6 / new_tokens
+    decoder.prefill(prompt)
+    steps = min(16, new_tokens - 1)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            decoder.step_fn()
+        torch.cuda.synchronize()
+    busy_us, launches, rows = _kernel_table(prof, steps, top)
+    return dict(wall_us=replay_us, gpu_busy_us=busy_us, launches=launches, top=rows)
+
+
 def train_case(model, tokens: int, compiled: bool):
     ids = torch.randint(3, model.config.vocab_size, (1, tokens), device="cuda")
     fwd = torch.compile(model) if compiled else model
@@ -73,6 +99,7 @@ def main():
     parser.add_argument("--parts", default="decode,train")
     parser.add_argument("--tokens", default="2048", help="training lengths, comma separated")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per profiled generate() call")
+    parser.add_argument("--batches", default="1", help="graph: decode batch sizes, comma separated")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -87,6 +114,11 @@ def main():
             for k in ("wall_us", "gpu_busy_us", "launches"):
                 r[k] /= args.new_tokens  # per generated token
             results[f"{variant} decode b1 (per token)"] = r
+        if "graph" in parts:
+            for batch in map(int, args.batches.split(",")):
+                torch._dynamo.reset()
+                results[f"{variant} graph decoder b{batch} (per token)"] = graph_decode_case(
+                    model, batch, args.new_tokens, args.top)
         if "train" in parts:
             model.train()
             for tokens in map(int, args.tokens.split(",")):

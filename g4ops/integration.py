@@ -274,17 +274,21 @@ def _probe_once(hf) -> None:
 # compile caches miss (tests/test_compile_cache.py). enable() iterates it sorted; a set has no order to preserve.
 
 _LAYER_TYPES = "unique_layer_types"
+_SORTED_COPY = "_g4ops_sorted_layer_types"  # the sorted tuple the class property returns, kept beside stock's set
 
 
 def _layer_types_sorted(self):
-    types_ = self.__dict__.get(_LAYER_TYPES)
-    if types_ is None:  # not set yet: what the attribute lookup would say without us (hasattr stays False)
-        raise AttributeError(f"{type(self).__name__} has no attribute {_LAYER_TYPES!r}")
-    return tuple(sorted(types_))
+    # Plain attribute reads only: torch 2.11's Dynamo traces `self.__dict__.get(name)` on a module as
+    # `getattr(self, name)`, which re-entered this property until the recursion limit (H200, 2026-11-30).
+    types_ = getattr(self, _SORTED_COPY, None)
+    if types_ is None:  # built before enable(): stock made its set from the config (AttributeError before that)
+        types_ = tuple(sorted(set(self.config.layer_types)))
+    return types_
 
 
 def _store_layer_types(self, value):
-    self.__dict__[_LAYER_TYPES] = value
+    self.__dict__[_LAYER_TYPES] = value  # stock's set, which shows again after disable()
+    self.__dict__[_SORTED_COPY] = tuple(sorted(value))
 
 
 _SORTED_LAYER_TYPES = property(_layer_types_sorted, _store_layer_types)  # on the class: every instance, old and new
