@@ -12,6 +12,8 @@ Parts (`--parts`, comma-separated; default all):
                                 CUDA (the row says whether it did)
           g4ops-graph[-compile] GreedyDecoder called directly, g4ops enabled (the whole step in one CUDA graph;
                                 -compile compiles the step before capturing it)
+          g4ops-graph-sdpa-compile  the same with the model's own (sdpa) attention in the step instead of
+                                g4ops.decode_attention: what the decode attention gains
           stock-graph[-compile] the same with stock modules: do g4ops' ops help inside the graph?
           Each runs twice with `--decode-tokens` new tokens (the default 600 crosses position 512, the sliding
           window; the same length both times, so caches and graphs are reused): the first is the warm-up, the second
@@ -81,7 +83,8 @@ import g4ops
 from g4ops.models import build_model, load_checkpoint, text_config
 
 VARIANTS = ("stock", "stock-compile", "liger", "g4ops", "g4ops-compile")
-DECODE_VARIANTS = ("stock", "g4ops", "g4ops-graph", "g4ops-graph-compile", "stock-graph", "stock-graph-compile")
+DECODE_VARIANTS = ("stock", "g4ops", "g4ops-graph", "g4ops-graph-compile", "g4ops-graph-sdpa-compile", "stock-graph",
+                   "stock-graph-compile")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -271,7 +274,8 @@ def decode_rows(args) -> list[dict]:
                 with g4ops_on(variant.startswith("g4ops")):
                     state["model"] = model = model_for(args)
                     if "-graph" in variant:
-                        row.update(decode_graphed(args, model, prompt, variant.endswith("compile")))
+                        row.update(decode_graphed(args, model, prompt, variant.endswith("compile"),
+                                                  decode_attention="-sdpa" not in variant))
                     else:
                         # Same max_new_tokens in both calls: the static cache (and so the compiled step) has one size.
                         # min_new_tokens keeps random weights from stopping at EOS.
@@ -316,13 +320,14 @@ def decode_rows(args) -> list[dict]:
     return rows
 
 
-def decode_graphed(args, model, prompt, compile_step: bool) -> dict:
+def decode_graphed(args, model, prompt, compile_step: bool, decode_attention: bool = True) -> dict:
     """g4ops' CUDA-graphed greedy decoder: build + capture (timed as the warm-up), then the timed generate."""
     from g4ops.decode import GreedyDecoder
 
     batch, n = prompt.shape
     t = time.perf_counter()
-    decoder = GreedyDecoder(model, batch_size=batch, max_length=n + args.decode_tokens, compile=compile_step)
+    decoder = GreedyDecoder(model, batch_size=batch, max_length=n + args.decode_tokens, compile=compile_step,
+                            decode_attention=decode_attention)
     decoder.generate(prompt, 2)  # captures the step graph (compiling it first for -compile)
     sync(args.device)
     ready = time.perf_counter()

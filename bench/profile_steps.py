@@ -75,7 +75,7 @@ def graph_decode_case(model, batch: int, new_tokens: int, top: int) -> dict:
     steps = min(16, new_tokens - 1)
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            decoder.step_fn()
+            decoder.run_step()
         torch.cuda.synchronize()
     busy_us, launches, rows = _kernel_table(prof, steps, top)
     return dict(wall_us=replay_us, gpu_busy_us=busy_us, launches=launches, top=rows)

@@ -6,7 +6,7 @@ from ._build import build as build_kernels
 from ._build import status as kernel_status
 from .integration import disable, enable, is_enabled
 from .loss import linear_cross_entropy
-from .ops import geglu_mlp, rms_norm, sandwich_norm
+from .ops import decode_attention, geglu_mlp, rms_norm, sandwich_norm
 
 __all__ = [
     "KernelBuildError",
@@ -16,6 +16,7 @@ __all__ = [
     "allow_reference_fallback",
     "build_kernels",
     "kernel_status",
+    "decode_attention",
     "geglu_mlp",
     "linear_cross_entropy",
     "rms_norm",

@@ -14,6 +14,12 @@ sliding layers keep a ring of `sliding_window` slots (slot = position mod window
 query may see (p - window < key <= p). The masks over the slots are built on the device from the same position.
 KV-shared layers read their producer's buffers through transformers' `shared_kv_states`, as in stock.
 
+Attention in the step is `g4ops.decode_attention` (while the decoder traces or runs a step, its model's Gemma-4
+text configs name the "g4ops_graph_decode" attention implementation; prefill keeps the model's own): one pass over
+the slots, the query heads of a KV head sharing its reads, split over the slots across the GPU. Stock's sdpa path
+repeats K/V per query head and runs one thread block per head: on the H200 it took 16 us per sliding layer and
+56 us per full layer, where a whole layer's step takes about 140 us (bench/results/2026-11-30-h200-session6-decode.md).
+
 Exactness: the modules and dtypes are stock's, so the logits equal stock's up to the order in which attention sums
 over the cached keys (the ring is not in position order, and masked slots differ in number). The argmax is taken
 on the fp32 copy of the logits, as `generate` does. Prompts of different lengths come left-padded, as for stock.
@@ -21,11 +27,33 @@ on the fp32 copy of the logits, as `generate` does. Prompts of different lengths
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 
+from . import ops
 from .models import FULL
+
+DECODE_ATTENTION = "g4ops_graph_decode"  # the attention implementation name the step's configs carry
+
+
+def decode_step_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """AttentionInterface entry for the decode step: query [B, Hq, 1, D] over the cache buffers key/value
+    [B, Hkv, slots, D] under the step's bool mask [B, 1, 1, slots] -> ([B, 1, Hq, D], None)."""
+    if query.shape[2] != 1 or not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+        raise RuntimeError(f"{DECODE_ATTENTION} attention serves GreedyDecoder's decode step only (one query token "
+                           f"and the cache's bool mask), got query {list(query.shape)}")  # fmt: skip
+    if dropout or kwargs.get("softcap") is not None:
+        raise RuntimeError(f"{DECODE_ATTENTION} attention has no dropout or logit softcap")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return ops.decode_attention(query, key, value, attention_mask, scale).transpose(1, 2), None
+
+
+def _register_decode_attention() -> None:
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(DECODE_ATTENTION, decode_step_attention)
 
 
 class GraphKVCache:
@@ -111,10 +139,12 @@ class GreedyDecoder:
     `compile=True` the step is compiled by torch.compile first (fewer, fused kernels; costs compile time).
     `suppress_tokens`: ids never chosen (as generate's `suppress_tokens`). `generate(..., min_new_tokens=k)` keeps
     the EOS ids from being chosen for the first k new tokens, as generate's `min_new_tokens` does.
+    `decode_attention=False` keeps the model's own attention implementation in the step (for comparison).
     """
 
     def __init__(self, model, batch_size: int = 1, max_length: int = 2048, compile: bool = False,
-                 cuda_graph: bool | None = None, sync_every: int = 32, suppress_tokens=None):  # fmt: skip
+                 cuda_graph: bool | None = None, sync_every: int = 32, suppress_tokens=None,
+                 decode_attention: bool = True):  # fmt: skip
         if batch_size < 1 or max_length < 2:
             raise ValueError(f"GreedyDecoder: batch_size must be >= 1 and max_length >= 2, got {batch_size}, "
                              f"{max_length}")  # fmt: skip
@@ -136,6 +166,32 @@ class GreedyDecoder:
         self.prompt_len = torch.zeros(1, dtype=torch.long, device=self.device)
         self.step_fn = torch.compile(self._step, fullgraph=True) if compile else self._step
         self.graph = None
+        # the text attention configs the step switches to DECODE_ATTENTION (usually one shared text config)
+        self._attention_configs = []
+        if decode_attention:
+            _register_decode_attention()
+            for m in model.modules():
+                config = getattr(m, "config", None)
+                if hasattr(m, "is_kv_shared_layer") and hasattr(m, "k_proj") and config is not None and all(
+                        config is not c for c in self._attention_configs):  # fmt: skip
+                    self._attention_configs.append(config)
+
+    @contextlib.contextmanager
+    def _step_attention(self):
+        """The step's attention implementation, only while the step is traced, captured or run eagerly."""
+        before = [c._attn_implementation for c in self._attention_configs]
+        for c in self._attention_configs:
+            c._attn_implementation = DECODE_ATTENTION
+        try:
+            yield
+        finally:
+            for c, name in zip(self._attention_configs, before):
+                c._attn_implementation = name
+
+    def run_step(self):
+        """One decode step, not replayed from the graph (what the graph holds, run eagerly or compiled)."""
+        with self._step_attention():
+            self.step_fn()
 
     # -- the step -------------------------------------------------------------------------------------------------
     def _logits_to_next(self, logits: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
@@ -166,10 +222,10 @@ class GreedyDecoder:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(3):
-                self.step_fn()
+                self.run_step()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph), self._step_attention():
             self.step_fn()
 
     # -- generation -----------------------------------------------------------------------------------------------
@@ -225,7 +281,7 @@ class GreedyDecoder:
         if self.use_graph and self.graph is None:
             self._capture()
         self.prefill(input_ids, attention_mask)
-        run = self.graph.replay if self.graph is not None else self.step_fn
+        run = self.graph.replay if self.graph is not None else self.run_step
         done = 1
         while done < max_new_tokens:
             steps = min(self.sync_every, max_new_tokens - done)

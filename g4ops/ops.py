@@ -7,6 +7,9 @@ Public ops (design.md section 3):
         -> (Tensor sum, Tensor normed)     Gemma's post-norm + residual add + next pre-norm (reference.py says how)
     torch.ops.g4ops.embedding(Tensor indices, Tensor weight, SymInt padding_idx) -> Tensor
                                            F.embedding whose weight gradient is embedding_backward (`embedding`)
+    torch.ops.g4ops.decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor
+                                           one query token per sequence over a KV cache, grouped-query without
+                                           repeating K/V; inference only (`decode_attention` below)
 Internal ops, each a real operator so autograd, torch.compile and CUDA graphs see them:
     rms_norm_backward      grad_x and the weight gradient (fp32 reduction) of rms_norm
     geglu_mlp_forward      the training forward: also returns the gate and up GEMM outputs for the backward
@@ -58,6 +61,7 @@ _SCHEMAS = {
     "embedding_backward": (
         "embedding_backward(Tensor grad_out, Tensor indices, SymInt num_weights, SymInt padding_idx) -> Tensor"
     ),
+    "decode_attention": "decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor",
 }
 for _schema in _SCHEMAS.values():
     _lib.define(_schema)
@@ -191,6 +195,46 @@ def _check_embedding_backward(grad_out, indices, num_weights, padding_idx):
     _check_same_device(op, grad_out=grad_out, indices=indices)
 
 
+def _check_decode_attention(q, k, v, mask, scale):
+    op = "decode_attention"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_floating(name, t)
+        torch._check(t.dim() == 4, lambda: f"g4ops.{op}: `{name}` must be 4-D, got {list(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        torch._check_type(
+            t.dtype == q.dtype, lambda: f"g4ops.{op}: `{name}` is {t.dtype} but `q` is {q.dtype}; they must match"
+        )
+    torch._check_type(
+        mask.dtype == torch.bool, lambda: f"g4ops.{op}: `mask` must be bool (True = attend), got {mask.dtype}"
+    )
+    b, hq, tokens, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    torch._check(
+        tokens == 1,
+        lambda: f"g4ops.{op}: `q` must hold one query token per sequence [B, Hq, 1, D], got {list(q.shape)}",
+    )
+    torch._check(
+        k.shape[0] == b and k.shape[3] == d and hkv >= 1 and s >= 1,
+        lambda: f"g4ops.{op}: `k` must be [{b}, Hkv >= 1, S >= 1, {d}] (B and D of `q`), got {list(k.shape)}",
+    )
+    torch._check(
+        hq % hkv == 0,
+        lambda: f"g4ops.{op}: the {hq} query heads of `q` must be a multiple of the {hkv} KV heads of `k`",
+    )
+    _check_shape(op, "v", v, k.shape, "`k`")
+    torch._check(
+        mask.dim() == 4 and mask.shape[0] in (1, b) and mask.shape[1] == 1 and mask.shape[2] == 1
+        and mask.shape[3] == s,
+        lambda: f"g4ops.{op}: `mask` must be [{b}, 1, 1, {s}] or [1, 1, 1, {s}], got {list(mask.shape)}",
+    )
+    for name, t in (("k", k), ("v", v)):
+        torch._check(
+            t.stride(-1) == 1 or d == 1,
+            lambda: f"g4ops.{op}: `{name}` must have a contiguous last dim (stride 1), got strides {t.stride()}",
+        )
+    _check_same_device(op, q=q, k=k, v=v, mask=mask)
+
+
 def _check_geglu_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask):
     _check_geglu(x, w_gate, w_up, w_down)
     for name, t in (("grad_out", grad_out), ("gate", gate), ("up", up)):
@@ -220,6 +264,7 @@ _OPS = {
     "geglu_mlp_backward": (_check_geglu_backward, reference.geglu_mlp_backward),
     "sandwich_norm": (_check_sandwich_norm, reference.sandwich_norm),
     "sandwich_norm_backward": (_check_sandwich_norm_backward, reference.sandwich_norm_backward),
+    "decode_attention": (_check_decode_attention, reference.decode_attention),
 }
 # Ops whose kernel on every device is ATen's own (no csrc kernel): op name -> (check, kernel).
 _ATEN_OPS = {
@@ -321,6 +366,12 @@ def _sandwich_norm_backward_fake(grad_sum, grad_normed, branch, s, post_weight, 
     weight_grad = [w.new_empty(w.shape) if (w is not None and wanted) else branch.new_empty(0)
                    for w, wanted in zip((post_weight, pre_weight), weight_grads)]  # fmt: skip
     return branch.new_empty(branch.shape), branch.new_empty(branch.shape), *weight_grad
+
+
+@torch.library.register_fake("g4ops::decode_attention", lib=_lib)
+def _decode_attention_fake(q, k, v, mask, scale):
+    _check_decode_attention(q, k, v, mask, scale)
+    return q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3]))
 
 
 @torch.library.register_fake("g4ops::embedding", lib=_lib)
@@ -445,16 +496,19 @@ def _embedding_autograd(keyset, indices, weight, padding_idx):
     return torch.ops.g4ops.embedding.default.redispatch(keyset & _BELOW_AUTOGRAD, indices, weight, padding_idx)
 
 
-def _internal_op_autograd(name: str, check=None):
+def _internal_op_autograd(
+    name: str, check=None, why: str = "is an internal step of an autograd formula and is not differentiable"
+):
     """The internal ops are steps of the public ops' autograd formulas: they refuse to be differentiated (no silent
-    missing gradient). `check`: an input check to run first, for ops without a BackendSelect guard."""
+    missing gradient), as does the inference-only decode_attention. `check`: an input check to run first, for ops
+    without a BackendSelect guard; `why`: the error message after the op's name."""
     op = getattr(torch.ops.g4ops, name).default
 
     def kernel(keyset, *args):
         if check is not None:
             check(*args)
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            raise RuntimeError(f"g4ops.{name} is an internal step of an autograd formula and is not differentiable")
+            raise RuntimeError(f"g4ops.{name} {why}")
         return op.redispatch(keyset & _BELOW_AUTOGRAD, *args)
 
     return kernel
@@ -467,6 +521,10 @@ _lib.impl("embedding", _embedding_autograd, "Autograd", with_keyset=True)
 for _name in ("rms_norm_backward", "geglu_mlp_forward", "geglu_mlp_backward", "sandwich_norm_backward",
               "embedding_backward"):
     _lib.impl(_name, _internal_op_autograd(_name), "Autograd", with_keyset=True)
+_lib.impl(
+    "decode_attention", _internal_op_autograd("decode_attention", why="has no backward (inference only)"), "Autograd",
+    with_keyset=True,
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -514,6 +572,21 @@ def sandwich_norm(
     """Gemma's sandwich norms in one op: `s = residual + rms_norm(branch, post_weight)` (rounded once) and
     `rms_norm(s, pre_weight)`; returns both (s is the new residual stream, the second the next block's input)."""
     return torch.ops.g4ops.sandwich_norm(branch, residual, post_weight, pre_weight, float(eps))
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of one query token per sequence over a KV cache: `softmax(scale * q k^T) v` over the visible keys.
+
+    q [B, Hq, 1, D] (any strides); k, v [B, Hkv, S, D] with a contiguous last dim (any other strides: a view of a
+    larger cache is fine); mask bool [B, 1, 1, S] or [1, 1, 1, S], True = attend. Query head h reads KV head
+    h // (Hq / Hkv) (transformers' repeat_kv order), but K/V are not repeated: the CUDA kernel reads each KV head
+    once for all its query heads, split over the keys ("flash-decoding"). Scores, softmax and the weighted sum in
+    fp32 (fp64 for fp64 inputs), rounded once; returns a contiguous [B, Hq, 1, D] of q's dtype. Masked keys are never
+    read; a row with no visible key gives zeros (SDPA would give NaN). Inference only: inputs that require grad
+    raise (there is no backward)."""
+    return torch.ops.g4ops.decode_attention(q, k, v, mask, float(scale))
 
 
 def embedding(indices: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:

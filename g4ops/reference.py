@@ -9,6 +9,8 @@ inputs (ops.py checks them) and follow the numerics contract of design.md sectio
   Accumulation is fp32, or fp64 for fp64 inputs so gradcheck works; one rounding to the output dtype.
 - GeGLU: `gelu_tanh(g) * u` computed in fp32 from the GEMM outputs and rounded once. Stock rounds twice (after the
   gelu and after the product); one rounding is closer to the exact value.
+- decode_attention: scores, softmax and the weighted sum of values in the accumulation dtype, rounded once. A row
+  with no visible key is 0, and masked keys are never used (csrc/decode_attention.cu does not read them).
 
 Every output is a fresh contiguous tensor (the fake kernels promise exactly that).
 """
@@ -161,3 +163,24 @@ def embedding_backward(grad_out: torch.Tensor, indices: torch.Tensor, num_weight
     acc = accumulation_dtype(grad_out.dtype)
     grad_w = torch.ops.aten.embedding_dense_backward(grad_out.to(acc), indices, num_weights, padding_idx, False)
     return grad_w.to(grad_out.dtype)
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query token per sequence: q [B, Hq, 1, D], k and v [B, Hkv, S, D], mask bool [B or 1, 1, 1, S] (True =
+    attend); query head h reads KV head h // (Hq / Hkv) (transformers' repeat_kv order), without repeating K/V.
+    out = sum_s p_s v_s with p = softmax over the visible keys of (q . k_s) * scale. A row with no visible key is 0
+    (SDPA gives NaN); the k and v of masked keys do not matter (an unwritten cache slot may hold NaN)."""
+    acc = accumulation_dtype(q.dtype)
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    hidden = ~mask
+    scores = (q.to(acc).reshape(b, hkv, hq // hkv, d) @ k.to(acc).transpose(-1, -2)) * scale  # [B, Hkv, G, S]
+    scores = scores.masked_fill(hidden, float("-inf"))
+    # the max of a row with no visible key is -inf: clamped, every exp is 0 and so is that row's output
+    p = torch.exp(scores - scores.amax(-1, keepdim=True).clamp_min(torch.finfo(acc).min))
+    values = v.to(acc).masked_fill(hidden.transpose(-1, -2), 0.0)
+    # the sum is >= 1 when a key is visible (the largest score gives exp(0)); the clamp only keeps empty rows at 0
+    out = (p @ values) / p.sum(-1, keepdim=True).clamp_min(1.0)
+    return out.reshape(b, hq, 1, d).to(q.dtype)

@@ -2,7 +2,7 @@
 
 - fp64 oracle: the forward and every gradient of both ops, written here in closed form from design.md sections 3
   and 4 (not imported from g4ops.reference, so a bug there cannot hide in its own yardstick). `test_ops.py` checks
-  the closed forms against torch autograd in fp64.
+  the closed forms against torch autograd in fp64. Also decode attention (forward only: the op is inference only).
 - stock: what a user of HF transformers runs today, taken from transformers itself: `Gemma4RMSNorm` and
   `down(act(gate(x)) * up(x))` with `ACT2FN["gelu_pytorch_tanh"]`. Its gradients are torch autograd through it.
 - `rel_err`: ||out - ref|| / ||ref|| in fp64; NaN or inf anywhere counts as a failure (returns inf).
@@ -107,6 +107,37 @@ def geglu_mlp_grads(
     return dx, rows(dg).T @ rows(x), rows(du).T @ rows(x), rows(dout).T @ rows(h)
 
 
+def _decode_attention_probs(q, k, mask, scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(p = softmax(scale * q k^T) over the visible keys [B, Hq, 1, S], 0 in a row without one; k repeated to the
+    query heads [B, Hq, S, D]; the mask [B or 1, 1, 1, S]), in fp64. Query head h reads KV head h // (Hq / Hkv), as
+    transformers' repeat_kv."""
+    q, k = _f64(q), _f64(k)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    visible = mask.to(q.device)
+    scores = torch.where(visible, q @ k.transpose(-1, -2) * scale, -math.inf)
+    probs = torch.where(visible.any(-1, keepdim=True), torch.softmax(scores, -1), 0.0)  # all -inf: NaN -> 0
+    return probs, k, visible
+
+
+def _repeat_values(v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return _f64(v).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """One query token per sequence: sum_s p_s v_s over the visible keys (`_decode_attention_probs`); a row with no
+    visible key is 0, and masked keys' k and v are not used."""
+    probs, _, visible = _decode_attention_probs(q, k, mask, scale)
+    return probs @ torch.where(visible.transpose(-1, -2), _repeat_values(v, q), 0.0)
+
+
+def decode_attention_abs_terms(q, k, v, mask, scale) -> tuple[torch.Tensor, float]:
+    """(sum_s p_s |v_s|, the largest scale * sum_d |q_d k_sd| over the visible keys): the terms of the weighted sum
+    and of the q.k dot products over absolute values, for `decode_attention_noise`."""
+    probs, k_rep, visible = _decode_attention_probs(q, k, mask, scale)
+    score_terms = torch.where(visible, _f64(q).abs() @ k_rep.abs().transpose(-1, -2) * abs(scale), 0.0)
+    return probs @ _repeat_values(v, q).abs(), score_terms.max().item()
+
+
 def rms_norm_abs_terms(
     grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -193,6 +224,15 @@ def _stock_norm_with(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     del module.weight
     module.weight = weight
     return module(x)
+
+
+def stock_decode_attention(q, k, v, mask, scale) -> torch.Tensor:
+    """What transformers' SDPA attention does for a decode step: K/V repeated to the query heads (repeat_kv), then
+    torch's scaled_dot_product_attention with the bool mask, in the inputs' dtype."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask, scale=scale)
 
 
 def stock_geglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -297,6 +337,10 @@ def tolerance(dtype: torch.dtype, k: int, roundings: int = 1) -> float:
 SAMPLING_SIGMAS = 4.0
 
 
+def _sampling_noise(row: DtypeTolerance, n: int, draws: int) -> float:
+    return SAMPLING_SIGMAS * row.u / math.sqrt(max(n * draws, 1))
+
+
 def floor(
     dtype: torch.dtype, k: int, n: int, kappa: float = 1.0, draws: int = 1, rounded_terms: bool = True
 ) -> float:
@@ -308,8 +352,31 @@ def floor(
     their errors are amplified by kappa too; False when the implementations differ only in how they round the
     result itself (RMSNorm: both compute in fp32 and round once at the end), which no cancellation amplifies."""
     row = TOLERANCE[dtype]
-    sampling = SAMPLING_SIGMAS * row.u / math.sqrt(max(n * draws, 1))
+    sampling = _sampling_noise(row, n, draws)
     return kappa * _accumulation_noise(row, k) + (kappa if rounded_terms else 1.0) * sampling
+
+
+def decode_attention_noise(dtype: torch.dtype, keys: int, head_dim: int, kappa: float, score_terms: float) -> float:
+    """Accumulation error of decode attention relative to ||out|| (the reductions run in u_acc): the weighted sum of
+    `keys` values with condition kappa = ||sum_s p_s |v_s| || / ||out|| (`decode_attention_abs_terms`), and the q.k
+    dot products of length head_dim, whose absolute error is that relative noise times `score_terms` (the largest
+    scale * sum |q_d k_sd|); an error e in the scores moves the output by at most 2 e sum_s p_s |v_s|. The softmax's
+    exp and division, and the split-K rescaling, add a few u_acc per term, inside the 4 of `_accumulation_noise`."""
+    row = TOLERANCE[dtype]
+    return kappa * (_accumulation_noise(row, keys) + 2.0 * score_terms * _accumulation_noise(row, head_dim))
+
+
+def decode_attention_tolerance(dtype: torch.dtype, keys: int, head_dim: int, kappa: float, score_terms: float):
+    """Bound (1) for decode attention: one rounding to `dtype` plus `decode_attention_noise`."""
+    return TOLERANCE[dtype].u + decode_attention_noise(dtype, keys, head_dim, kappa, score_terms)
+
+
+def decode_attention_floor(dtype, keys, head_dim, n, kappa, score_terms, draws=1) -> float:
+    """Bound (2) for decode attention: `decode_attention_noise` (the reordering noise) plus the sampling noise of
+    `floor` for n output elements per draw. g4ops rounds only the result, and so does stock at best
+    (rounded_terms=False; a stock kernel that also rounds P to 16 bits only has a larger error)."""
+    noise = decode_attention_noise(dtype, keys, head_dim, kappa, score_terms)
+    return noise + _sampling_noise(TOLERANCE[dtype], n, draws)
 
 
 STOCK_MARGIN = 1.05  # g4ops may be 5% worse than stock before the floor: a margin for the comparison, not a budget

@@ -149,3 +149,11 @@ def test_e2e_rejects_a_prompt_without_a_checkpoint(tmp_path):
     proc = subprocess.run([sys.executable, "bench/e2e.py", "--device", "cpu", "--prompt", "hi"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--prompt needs --model" in proc.stderr
+
+
+def test_decode_attention_bench_smoke(tmp_path):
+    out = tmp_path / "decode_attention.json"
+    _run(["bench/decode_attention.py", "--device", "cpu", "--smoke", "--json", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["layer"] for r in rows} == {"sliding", "full"} and all(r["no_worse_than_stock"] for r in rows)
+    assert all(r["err_g4ops"] < 1e-2 and r["g4ops_us"] > 0 for r in rows)

@@ -85,6 +85,35 @@ def test_compiled_step_matches_eager_step():
     assert torch.equal(compiled, eager)
 
 
+def test_step_attention_is_decode_attention_and_the_config_is_restored(monkeypatch):
+    """Every attention of every step goes through g4ops.decode_attention (prefill keeps the model's own), the
+    configs name their own implementation again after each step, and the tokens equal the sdpa step's."""
+    import g4ops.ops
+
+    model = build_model("tiny-e4b")
+    ids = _prompt(model)
+    before = model.config._attn_implementation
+    sdpa = GreedyDecoder(model, batch_size=2, max_length=64, decode_attention=False).generate(ids, NEW)
+    calls = []
+    real = g4ops.ops.decode_attention
+
+    def counting(q, k, v, mask, scale):
+        calls.append((tuple(q.shape), tuple(k.shape), scale))
+        return real(q, k, v, mask, scale)
+
+    monkeypatch.setattr(g4ops.ops, "decode_attention", counting)
+    out = GreedyDecoder(model, batch_size=2, max_length=64).generate(ids, NEW)
+    assert torch.equal(out, sdpa)
+    assert len(calls) == (NEW - 1) * model.config.num_hidden_layers  # the first new token comes from prefill
+    assert {c[2] for c in calls} == {model.model.layers[0].self_attn.scaling}
+    assert model.config._attn_implementation == before
+    with pytest.raises(RuntimeError, match="decode step only"):  # a call that is not a decode step is refused
+        from g4ops.decode import decode_step_attention
+
+        q = torch.randn(1, 2, 3, 8)
+        decode_step_attention(None, q, q, q, None)
+
+
 @pytest.mark.parametrize(
     "kwargs, call, message",
     [
