@@ -15,6 +15,7 @@ median of `--repeats` replays. `fill` < 1 masks the cache's tail (a cache not ye
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import g4ops  # noqa: E402
+from kernels import time_graph  # noqa: E402  (bench/ is this script's own directory on sys.path)
 
 HQ, HKV = 8, 2
 
@@ -71,35 +73,22 @@ def rel_err(out, ref):
     return ((out - ref).norm() / ref.norm()).item() if torch.isfinite(out).all() else float("inf")
 
 
-def time_per_call(fn, inputs, calls, repeats, device):
-    """Seconds per call: CUDA graph of `calls` calls over the rotating inputs on CUDA, a plain loop elsewhere."""
+def time_per_call_us(fn, inputs, calls, repeats, device):
+    """Microseconds per call, each call on the next of the rotating inputs: in one CUDA graph of `calls` calls on
+    CUDA (bench/kernels.py's time_graph), a plain loop elsewhere."""
+    rotation = itertools.cycle(inputs)
+
+    def call():
+        fn(*next(rotation))
+
     if device == "cuda":
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for args in inputs:
-                fn(*args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(calls):
-                fn(*inputs[i % len(inputs)])
-        graph.replay()
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / calls)
-        return statistics.median(times)
+        return time_graph(call, calls=calls, reps=repeats)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        for i in range(calls):
-            fn(*inputs[i % len(inputs)])
-        times.append((time.perf_counter() - t) / calls)
+        for _ in range(calls):
+            call()
+        times.append((time.perf_counter() - t) * 1e6 / calls)
     return statistics.median(times)
 
 
@@ -137,7 +126,7 @@ def main(argv=None):
                 for name, fn in impls.items():
                     with torch.no_grad():
                         row[f"err_{name}"] = rel_err(fn(*first), ref)
-                        row[f"{name}_us"] = time_per_call(fn, inputs, args.calls, args.repeats, args.device) * 1e6
+                        row[f"{name}_us"] = time_per_call_us(fn, inputs, args.calls, args.repeats, args.device)
                 row["speedup_vs_stock"] = row["stock_us"] / row["g4ops_us"]
                 row["no_worse_than_stock"] = row["err_g4ops"] <= row["err_stock"] * 1.01
                 rows.append(row)
