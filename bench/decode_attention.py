@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import g4ops  # noqa: E402
-from kernels import time_graph  # noqa: E402  (bench/ is this script's own directory on sys.path)
+import g4ops
+from kernels import time_graph  # bench/kernels.py: this script's own directory is on sys.path
 
 HQ, HKV = 8, 2
 
@@ -40,7 +40,7 @@ def make_inputs(batch, slots, head_dim, fill, device, gen):
 
     q = rand(batch, 1, HQ, head_dim).transpose(1, 2)  # the transposed view transformers passes
     k, v = rand(batch, HKV, slots, head_dim), rand(batch, HKV, slots, head_dim)
-    visible = max(1, int(round(fill * slots)))
+    visible = max(1, round(fill * slots))
     mask = (torch.arange(slots) < visible).expand(batch, 1, 1, slots).to(device)
     return q, k, v, mask
 
