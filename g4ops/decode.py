@@ -20,8 +20,9 @@ the slots, the query heads of a KV head sharing its reads, split over the slots 
 repeats K/V per query head and runs one thread block per head: on the H200 it took 16 us per sliding layer and
 56 us per full layer, where a whole layer's step takes about 140 us (bench/results/2026-11-30-h200-session6-decode.md).
 
-Exactness: the modules and dtypes are stock's, so the logits equal stock's up to the order in which attention sums
-over the cached keys (the ring is not in position order, and masked slots differ in number). The argmax is taken
+Exactness: the modules and dtypes are stock's, so the logits equal stock's up to attention's rounding: the order in
+which it sums over the cached keys (the ring is not in position order, and masked slots differ in number), and
+decode_attention keeps the probabilities in fp32 where some of stock's SDPA kernels round them to 16 bits. The argmax is taken
 on the fp32 copy of the logits, as `generate` does. Prompts of different lengths come left-padded, as for stock.
 """
 
