@@ -114,6 +114,18 @@ def test_step_attention_is_decode_attention_and_the_config_is_restored(monkeypat
         decode_step_attention(None, q, q, q, None)
 
 
+def test_decoder_under_g4ops_attention_keeps_that_implementation():
+    """With `enable(model, attention=True)` the model's text attention is "g4ops": the step switches to
+    decode_attention and back, prefill runs g4ops attention, and every token is stock's argmax (fp32)."""
+    model = build_model("tiny-e4b")
+    ids = _prompt(model)
+    with g4ops.enable(model, attention=True):
+        assert model.config._attn_implementation == "g4ops"
+        out = GreedyDecoder(model, batch_size=2, max_length=64).generate(ids, NEW)
+        assert model.config._attn_implementation == "g4ops"
+    _assert_stock_argmax(model, out, ids.shape[1])
+
+
 @pytest.mark.parametrize(
     "kwargs, call, message",
     [
