@@ -57,6 +57,11 @@ def _register_decode_attention() -> None:
     AttentionInterface.register(DECODE_ATTENTION, decode_step_attention)
 
 
+def _text_attentions(model) -> list:
+    """The model's Gemma-4 text attention modules (what the cache holds K/V for and the step switches)."""
+    return [m for m in model.modules() if hasattr(m, "is_kv_shared_layer") and hasattr(m, "k_proj")]
+
+
 class GraphKVCache:
     """The KV cache of one decoder: per KV-owning layer, K and V buffers [B, kv_heads, slots, head_dim]."""
 
@@ -72,7 +77,7 @@ class GraphKVCache:
         self.values: dict[int, torch.Tensor] = {}
         self._slots: dict[int, int] = {}
         # shapes from the attention modules themselves (per-layer head dims differ between config versions)
-        for attn in (m for m in model.modules() if hasattr(m, "is_kv_shared_layer") and hasattr(m, "k_proj")):
+        for attn in _text_attentions(model):
             if attn.is_kv_shared_layer:
                 continue
             i = attn.layer_idx
@@ -171,10 +176,9 @@ class GreedyDecoder:
         self._attention_configs = []
         if decode_attention:
             _register_decode_attention()
-            for m in model.modules():
-                config = getattr(m, "config", None)
-                if hasattr(m, "is_kv_shared_layer") and hasattr(m, "k_proj") and config is not None and all(
-                        config is not c for c in self._attention_configs):  # fmt: skip
+            for attn in _text_attentions(model):
+                config = getattr(attn, "config", None)
+                if config is not None and all(config is not c for c in self._attention_configs):
                     self._attention_configs.append(config)
 
     @contextlib.contextmanager
