@@ -10,6 +10,9 @@ Public ops (design.md section 3):
     torch.ops.g4ops.decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor
                                            one query token per sequence over a KV cache, grouped-query without
                                            repeating K/V; inference only (`decode_attention` below)
+    torch.ops.g4ops.adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs,
+        Tensor(c!)[] exp_avg_sqs, Tensor[] steps, float lr, float beta1, float beta2, float weight_decay,
+        float eps) -> ()                   one AdamW update in place, torch's fused AdamW math (g4ops/optim.py)
 Internal ops, each a real operator so autograd, torch.compile and CUDA graphs see them:
     rms_norm_backward      grad_x and the weight gradient (fp32 reduction) of rms_norm
     geglu_mlp_forward      the training forward: also returns the gate and up GEMM outputs for the backward
@@ -62,6 +65,10 @@ _SCHEMAS = {
         "embedding_backward(Tensor grad_out, Tensor indices, SymInt num_weights, SymInt padding_idx) -> Tensor"
     ),
     "decode_attention": "decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor",
+    "adamw_step": (
+        "adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs,"
+        " Tensor[] steps, float lr, float beta1, float beta2, float weight_decay, float eps) -> ()"
+    ),
 }
 for _schema in _SCHEMAS.values():
     _lib.define(_schema)
@@ -235,6 +242,46 @@ def _check_decode_attention(q, k, v, mask, scale):
     _check_same_device(op, q=q, k=k, v=v, mask=mask)
 
 
+def _check_adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps):
+    op = "adamw_step"
+    lists = dict(grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps)
+    for name, tensors in lists.items():
+        torch._check(
+            len(tensors) == len(params),
+            lambda: f"g4ops.{op}: `{name}` has {len(tensors)} tensors but `params` has {len(params)}",
+        )
+    for name, value, ok, rule in (
+        ("lr", lr, lr >= 0.0, ">= 0"), ("beta1", beta1, 0.0 <= beta1 < 1.0, "in [0, 1)"),
+        ("beta2", beta2, 0.0 <= beta2 < 1.0, "in [0, 1)"), ("weight_decay", weight_decay, weight_decay >= 0.0, ">= 0"),
+        ("eps", eps, eps >= 0.0, ">= 0"),
+    ):  # fmt: skip
+        torch._check(ok, lambda: f"g4ops.{op}: `{name}` must be {rule}, got {value}")
+    for i, (p, step) in enumerate(zip(params, steps)):
+        _check_floating(f"params[{i}]", p)
+        torch._check(
+            torch._prims_common.is_non_overlapping_and_dense_or_false(p),
+            lambda: f"g4ops.{op}: `params[{i}]` must be non-overlapping and dense (a parameter, not a strided view), "
+            f"got shape {list(p.shape)} with strides {p.stride()}",
+        )
+        for name, t in ((f"grads[{i}]", grads[i]), (f"exp_avgs[{i}]", exp_avgs[i]),
+                        (f"exp_avg_sqs[{i}]", exp_avg_sqs[i])):  # fmt: skip
+            torch._check_type(
+                t.dtype == p.dtype, lambda: f"g4ops.{op}: `{name}` is {t.dtype} but `params[{i}]` is {p.dtype}"
+            )
+            torch._check(
+                t.shape == p.shape and t.stride() == p.stride(),
+                lambda: f"g4ops.{op}: `{name}` must have the shape and strides of `params[{i}]` "
+                f"({list(p.shape)}, {p.stride()}), got {list(t.shape)}, {t.stride()}",
+            )
+            _check_same_device(op, **{f"params[{i}]": p, name: t})
+        torch._check_type(
+            step.dtype == torch.float32 and step.numel() == 1,
+            lambda: f"g4ops.{op}: `steps[{i}]` must be a float32 scalar tensor (the step number), got {step.dtype} "
+            f"with {step.numel()} elements",
+        )
+        _check_same_device(op, **{f"params[{i}]": p, f"steps[{i}]": step})
+
+
 def _check_geglu_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_mask):
     _check_geglu(x, w_gate, w_up, w_down)
     for name, t in (("grad_out", grad_out), ("gate", gate), ("up", up)):
@@ -251,8 +298,9 @@ def _check_geglu_backward(grad_out, x, gate, up, w_gate, w_up, w_down, output_ma
 # they load, the dispatcher routes CUDA calls to them and the reference only runs if the user allowed the fallback.
 
 
-def _cuda_kernels_just_loaded(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda" and ensure_cuda_kernels()
+def _cuda_kernels_just_loaded(args: tuple) -> bool:
+    first = args[0][0] if isinstance(args[0], (list, tuple)) and args[0] else args[0]  # adamw_step takes lists
+    return isinstance(first, torch.Tensor) and first.device.type == "cuda" and ensure_cuda_kernels()
 
 
 # op name -> (its input check, its reference math); one row per op, read by the guard and reference kernels.
@@ -265,6 +313,7 @@ _OPS = {
     "sandwich_norm": (_check_sandwich_norm, reference.sandwich_norm),
     "sandwich_norm_backward": (_check_sandwich_norm_backward, reference.sandwich_norm_backward),
     "decode_attention": (_check_decode_attention, reference.decode_attention),
+    "adamw_step": (_check_adamw_step, reference.adamw_step),
 }
 # Ops whose kernel on every device is ATen's own (no csrc kernel): op name -> (check, kernel).
 _ATEN_OPS = {
@@ -278,7 +327,7 @@ def _reference_kernel(name: str):
     math = _OPS[name][1]
 
     def kernel(*args):
-        if _cuda_kernels_just_loaded(args[0]):  # x, or grad_out, which the check put on x's device
+        if _cuda_kernels_just_loaded(args):  # from x, grad_out (on x's device, checked) or params[0]
             return op(*args)  # the compiled kernels have just loaded: dispatch to them
         return math(*args)
 
@@ -372,6 +421,11 @@ def _sandwich_norm_backward_fake(grad_sum, grad_normed, branch, s, post_weight, 
 def _decode_attention_fake(q, k, v, mask, scale):
     _check_decode_attention(q, k, v, mask, scale)
     return q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3]))
+
+
+@torch.library.register_fake("g4ops::adamw_step", lib=_lib)
+def _adamw_step_fake(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps):
+    _check_adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, weight_decay, eps)
 
 
 @torch.library.register_fake("g4ops::embedding", lib=_lib)
@@ -527,6 +581,22 @@ _lib.impl(
 )
 
 
+def _adamw_step_autograd(keyset, params, grads, exp_avgs, exp_avg_sqs, *rest):
+    """An optimizer update is not differentiable; like torch's in-place ops, it refuses to modify a tensor that
+    requires grad while grad mode is on. (The version counters of what it modifies are bumped by PyTorch's
+    ADInplaceOrView kernel for mutating ops, so autograd notices a parameter changed after a forward saved it.)"""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*params, *exp_avgs, *exp_avg_sqs)):
+        raise RuntimeError(
+            "g4ops.adamw_step updates `params`, `exp_avgs` and `exp_avg_sqs` in place and is not differentiable: "
+            "call it under torch.no_grad(), as optimizers do"
+        )
+    torch.ops.g4ops.adamw_step.default.redispatch(keyset & _BELOW_AUTOGRAD, params, grads, exp_avgs, exp_avg_sqs,
+                                                  *rest)  # fmt: skip
+
+
+_lib.impl("adamw_step", _adamw_step_autograd, "Autograd", with_keyset=True)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Autocast: like nn.Linear, the MLP runs in the autocast dtype; rms_norm needs nothing (it computes in fp32 and
 # returns x's dtype either way, as stock does).
@@ -614,3 +684,16 @@ def embedding(indices: torch.Tensor, weight: torch.Tensor, padding_idx: int | No
     if torch.is_grad_enabled() and weight.requires_grad:
         return torch.ops.g4ops.embedding(indices, weight, padding_idx)
     return reference.embedding(indices, weight, padding_idx)
+
+
+def adamw_step(
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float, beta1: float, beta2: float,
+    weight_decay: float, eps: float,
+) -> None:
+    """One AdamW update of every (param, grad, exp_avg, exp_avg_sq) in place, at step number steps[i] (a float32
+    scalar tensor on the parameter's device, already counted: 1 on the first update). The math, expression by
+    expression, is that of `torch.optim.AdamW(fused=True)` (reference.adamw_step). The four tensors of an entry share
+    dtype, shape and strides, and are dense. Call it under torch.no_grad(); g4ops.optim.AdamW is the optimizer."""
+    torch.ops.g4ops.adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, float(lr), float(beta1), float(beta2),
+                               float(weight_decay), float(eps))  # fmt: skip

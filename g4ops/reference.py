@@ -11,11 +11,15 @@ inputs (ops.py checks them) and follow the numerics contract of design.md sectio
   gelu and after the product); one rounding is closer to the exact value.
 - decode_attention: scores, softmax and the weighted sum of values in the accumulation dtype, rounded once. A row
   with no visible key is 0, and masked keys are never used (csrc/decode_attention.cu does not read them).
+- adamw_step: in place, PyTorch's fused AdamW arithmetic expression by expression (`adamw_step` says which parts run
+  in fp64), so it and csrc/adamw.cu agree with `torch.optim.AdamW(fused=True)`.
 
-Every output is a fresh contiguous tensor (the fake kernels promise exactly that).
+Every output is a fresh contiguous tensor (the fake kernels promise exactly that); adamw_step returns nothing.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -184,3 +188,41 @@ def decode_attention(
     # the sum is >= 1 when a key is visible (the largest score gives exp(0)); the clamp only keeps empty rows at 0
     out = (p @ values) / p.sum(-1, keepdim=True).clamp_min(1.0)
     return out.reshape(b, hq, 1, d).to(q.dtype)
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """A Python float (a C double) rounded to `dtype` (RNE), as C's conversion to float does."""
+    return torch.tensor(value, dtype=torch.float64).to(dtype).item()
+
+
+def adamw_step(
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], lr: float, beta1: float, beta2: float,
+    weight_decay: float, eps: float,
+) -> None:
+    """One AdamW update of each (param, grad, exp_avg, exp_avg_sq) in place, at step number steps[i] (already counted).
+
+    Accumulation dtype A (fp32; fp64 for fp64). As in ATen's fused kernel, the hyperparameters are C doubles: the
+    weight decay and both moment updates are evaluated in fp64 from A values and rounded to A, the bias corrections
+    and the step size are fp64 rounded to A, and `sqrt(v) / sqrt(1 - beta2^t)` is A, plus eps in fp64, rounded to A:
+        p = p - lr * weight_decay * p;   m = beta1 * m + (1 - beta1) * g;   v = beta2 * v + (1 - beta2) * g * g
+        p = p - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+    then p, m and v are rounded once to their dtype. Reads each step number on the host (this is not the fast path)."""
+    f64 = torch.float64
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        if p.numel() == 0:
+            continue
+        acc = accumulation_dtype(p.dtype)
+        t = float(step)
+        p_acc, g64 = p.to(acc), g.to(acc).to(f64)
+        if weight_decay != 0:
+            p_acc = (p_acc.to(f64) - (lr * weight_decay) * p_acc.to(f64)).to(acc)
+        m_acc = (beta1 * m.to(acc).to(f64) + (1 - beta1) * g64).to(acc)
+        v_acc = (beta2 * v.to(acc).to(f64) + (1 - beta2) * g64 * g64).to(acc)
+        step_size = _rounded(lr / _rounded(1 - beta1**t, acc), acc)
+        bias_correction2_sqrt = _rounded(math.sqrt(_rounded(1 - beta2**t, acc)), acc)  # sqrt of A, correctly rounded
+        denom = ((v_acc.sqrt() / torch.tensor(bias_correction2_sqrt, dtype=acc)).to(f64) + eps).to(acc)
+        p_acc = p_acc - (torch.tensor(step_size, dtype=acc) * m_acc) / denom
+        p.copy_(p_acc)
+        m.copy_(m_acc)
+        v.copy_(v_acc)
