@@ -2,7 +2,8 @@
 
 - fp64 oracle: the forward and every gradient of both ops, written here in closed form from design.md sections 3
   and 4 (not imported from g4ops.reference, so a bug there cannot hide in its own yardstick). `test_ops.py` checks
-  the closed forms against torch autograd in fp64. Also decode attention (forward only: the op is inference only).
+  the closed forms against torch autograd in fp64. Also decode attention (forward only: the op is inference only)
+  and one AdamW update (Loshchilov and Hutter's decoupled weight decay with Adam's bias corrections).
 - stock: what a user of HF transformers runs today, taken from transformers itself: `Gemma4RMSNorm` and
   `down(act(gate(x)) * up(x))` with `ACT2FN["gelu_pytorch_tanh"]`. Its gradients are torch autograd through it.
 - `rel_err`: ||out - ref|| / ||ref|| in fp64; NaN or inf anywhere counts as a failure (returns inf).
@@ -249,6 +250,18 @@ def with_grads(fn, inputs: list[torch.Tensor], grad_out: torch.Tensor) -> tuple[
     out = fn(*leaves)
     grads = torch.autograd.grad(out, leaves, grad_out)
     return out.detach(), list(grads)
+
+
+def adamw_step(p, g, m, v, step: int, lr: float, beta1: float, beta2: float, weight_decay: float, eps: float):
+    """(p, m, v) after one AdamW update at step number `step` (1 for the first), exact in fp64:
+    p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;
+    p <- p - lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)."""
+    p, g, m, v = (_f64(t) for t in (p, g, m, v))
+    p = p * (1 - lr * weight_decay)
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    p = p - lr / (1 - beta1**step) * m / ((v / (1 - beta2**step)).sqrt() + eps)
+    return p, m, v
 
 
 # ----------------------------------------------------------------------------------------------------------------
