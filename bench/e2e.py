@@ -23,11 +23,14 @@ Parts (`--parts`, comma-separated; default all):
           from process start to it (each variant runs in its own process on CUDA, see below); for the
           others, the end of the warm-up's capture or call (an upper bound: a streamer would make the routed
           generate fall back to stock).
-  train   full finetune step (fwd + bwd; and fwd + bwd + AdamW) at 1 x `--seqs` tokens, for each of `--variants`:
-          stock (eager), stock-compile, liger (Liger-Kernel's `apply_liger_kernel_to_gemma4_text`, where
-          importable), g4ops (eager, `g4ops.enable()`), g4ops-compile. Reported: tok/s (median step), peak memory
-          (max_memory_allocated, params and grads included), the first loss (checked against stock eager's before
-          any timing counts). A variant that runs out of memory is reported as OOM and the run goes on.
+  train   full finetune step at 1 x `--seqs` tokens, for each of `--variants`: stock (eager), stock-compile, liger
+          (Liger-Kernel's `apply_liger_kernel_to_gemma4_text`, where importable), g4ops (eager, `g4ops.enable()`),
+          g4ops-compile; and for each of `--optimizers`: none (fwd + bwd), adamw (+ torch.optim.AdamW, fused on
+          CUDA), g4ops-adamw (+ g4ops.optim.AdamW). A variant's model is built and compiled once for all its
+          optimizers, each starting from the initial weights. Reported: tok/s (median step), peak memory
+          (max_memory_allocated, params, grads and optimizer state included), the first loss (checked against stock
+          eager's with the same optimizer before any timing counts). A variant that runs out of memory is reported
+          as OOM and the run goes on.
           `--g4ops-attention`: the g4ops variants also run g4ops attention (`enable(model, attention=True)`);
           `--sliding stock` keeps its sliding layers on stock SDPA instead of FlexAttention (compiled CUDA only).
   parity  bf16: stock greedy decode of `--parity-tokens`, then teacher-forced top-1 agreement of g4ops with stock
@@ -349,11 +352,27 @@ def decode_graphed(args, model, prompt, compile_step: bool, decode_attention: bo
 # train
 
 
-def train_variant(args, variant: str, seq: int, optimizer: str, ids: torch.Tensor):
+OPTIMIZERS = ("none", "adamw", "g4ops-adamw")
+
+
+def make_optimizer(name: str, model, device: str):
+    """None (fwd + bwd only), torch's AdamW (fused on CUDA, its fastest), or g4ops.optim.AdamW; same settings."""
+    if name == "none":
+        return None
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=device.startswith("cuda"))
+    return g4ops.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+
+
+def train_variant(args, variant: str, seq: int, ids: torch.Tensor) -> list[dict]:
+    """One row per `--optimizers` entry, all on one model built and compiled once (a 42-layer compile takes
+    minutes; the forward + backward graph does not depend on the optimizer). Each optimizer starts from the initial
+    weights (restored from a host copy) and its state is freed before the next, so its peak memory is its own."""
     liger_undo = None
     state = {}  # everything big, dropped in `finally` even when a step ran out of memory
-    row = dict(part="train", variant=variant, seq=seq, optimizer=optimizer)
+    rows = []
     use_g4ops = variant.startswith("g4ops")
+    common = dict(part="train", variant=variant, seq=seq)
     try:
         with g4ops_on(use_g4ops):
             state["model"] = model = model_for(args).train()
@@ -361,71 +380,95 @@ def train_variant(args, variant: str, seq: int, optimizer: str, ids: torch.Tenso
                 g4ops.enable(model, attention=True)  # also switch its attention to g4ops' implementation
                 g4ops.integration.SLIDING_VIA_FLEX = args.sliding == "flex"
                 on_flex = variant.endswith("compile") and args.device.startswith("cuda")
-                row["sliding"] = args.sliding if on_flex else "stock"
-            row["attention"] = model.config._attn_implementation
+                common["sliding"] = args.sliding if on_flex else "stock"
+            common["attention"] = model.config._attn_implementation
             if variant == "liger":
                 apply, liger_undo, version = liger_patch()
                 apply(model)
-                row["liger_version"] = version
+                common["liger_version"] = version
             state["step_model"] = step_model = torch.compile(model) if variant.endswith("compile") else model
-            opt = None
-            if optimizer == "adamw":
-                fused = args.device.startswith("cuda")
-                state["opt"] = opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=fused)
-
-            def step():
-                loss = step_model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                if opt is not None:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                else:
-                    model.zero_grad(set_to_none=True)
-                return loss.detach()
-
-            reset_peak(args.device)
-            t = time.perf_counter()
-            first = step()  # on the initial weights: the parity check below
-            sync(args.device)
-            row["first_step_s"] = time.perf_counter() - t  # compilation included for the compile variants
-            row["first_loss"] = float(first)
-            for _ in range(args.warmup_steps - 1):
-                step()
-            times = []
-            for _ in range(args.steps):
-                sync(args.device)
-                t = time.perf_counter()
-                step()
-                sync(args.device)
-                times.append(time.perf_counter() - t)
-            median = statistics.median(times)
-            row.update(step_s=median, tok_s=ids.numel() / median, peak_gib=peak_gib(args.device))
-            if use_g4ops:  # the kernels load on first use, after meta() recorded their status
-                row["g4ops_kernels_loaded"] = g4ops.kernel_status()["loaded"]
-    except Exception as exc:  # noqa: BLE001 - report and go on
-        row["error"] = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {exc}"
-        if not is_oom(exc) and not isinstance(exc, ImportError):
+            if any(o != "none" for o in args.optimizers):
+                state["initial"] = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+            for optimizer in args.optimizers:
+                rows.append(dict(common, optimizer=optimizer))
+                train_rows_optimizer(args, model, step_model, optimizer, ids, state, rows[-1])
+                if use_g4ops and "error" not in rows[-1]:  # the kernels load on first use
+                    rows[-1]["g4ops_kernels_loaded"] = g4ops.kernel_status()["loaded"]
+    except Exception as exc:  # noqa: BLE001 - report (one row per optimizer not measured) and go on
+        error = f"{type(exc).__name__}: {exc}"
+        rows += [dict(common, optimizer=o, error=error) for o in args.optimizers[len(rows):]]
+        if not isinstance(exc, ImportError):
             traceback.print_exc()
     finally:
         if liger_undo is not None:
             liger_undo()
         state.clear()
-        model = step_model = opt = step = None
+        model = step_model = None
         torch._dynamo.reset()
         free(args.device)
-    return row
+    return rows
+
+
+def train_rows_optimizer(args, model, step_model, optimizer: str, ids: torch.Tensor, state: dict, row: dict):
+    """Fills `row`: first step (compilation included for the first optimizer of a compiled variant), first loss,
+    median step time of `--steps` after `--warmup-steps`, peak memory; or the error."""
+    try:
+        if "initial" in state:
+            with torch.no_grad():
+                for p, saved in zip(model.parameters(), state["initial"]):
+                    p.copy_(saved)
+        state["opt"] = opt = make_optimizer(optimizer, model, args.device)
+
+        def step():
+            loss = step_model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        free(args.device)
+        reset_peak(args.device)
+        t = time.perf_counter()
+        first = step()  # on the initial weights: the parity check in bench_train
+        sync(args.device)
+        row["first_step_s"] = time.perf_counter() - t  # compilation included for the first compiled row
+        row["first_loss"] = float(first)
+        for _ in range(args.warmup_steps - 1):
+            step()
+        times = []
+        for _ in range(args.steps):
+            sync(args.device)
+            t = time.perf_counter()
+            step()
+            sync(args.device)
+            times.append(time.perf_counter() - t)
+        median = statistics.median(times)
+        row.update(step_s=median, tok_s=ids.numel() / median, peak_gib=peak_gib(args.device))
+    except Exception as exc:  # noqa: BLE001 - report and go on with the next optimizer
+        row["error"] = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {exc}"
+        if not is_oom(exc) and not isinstance(exc, ImportError):
+            traceback.print_exc()
+    finally:
+        state.pop("opt", None)
+        opt = None
+        model.zero_grad(set_to_none=True)
+        free(args.device)
 
 
 def bench_train(args, results):
     rows = results["train"] = []
     for seq in args.seqs:
         ids = random_ids(args, 1, seq, seed=args.seed + seq)
-        for optimizer in args.optimizers:
-            ref = None
-            for variant in args.variants:
-                row = train_variant(args, variant, seq, optimizer, ids)
+        stock = {}  # optimizer -> stock eager's row: the loss reference and the speedup's denominator
+        for variant in args.variants:
+            for row in train_variant(args, variant, seq, ids):
+                optimizer = row.get("optimizer")
                 if variant == "stock" and "first_loss" in row:
-                    ref = row
+                    stock[optimizer] = row
+                ref = stock.get(optimizer)
                 if ref is not None and "first_loss" in row and variant != "stock":
                     # bf16 model: the loss is a mean of seq terms, each off by a few bf16 ulps of the logits
                     row["loss_matches_stock"] = abs(row["first_loss"] - ref["first_loss"]) <= args.loss_tol * max(
@@ -435,7 +478,7 @@ def bench_train(args, results):
                         row["speedup_vs_stock"] = row["tok_s"] / ref["tok_s"]
                 rows.append(row)
                 print_row(row)
-                write_json(args, results)  # a 42-layer compile takes minutes: a timeout keeps the rows so far
+            write_json(args, results)  # a 42-layer compile takes minutes: a timeout keeps the rows so far
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -606,9 +649,9 @@ def print_table(results):
                   f"{fmt(r.get('warmup_s')):>11}{fmt(r.get('first_fast_token')):>13}"
                   f"{fmt(r.get('first_fast_token_since_process_start_s')):>14}  {r.get('error', '')}")
     if results.get("train"):
-        print(f"{'train':<16}{'seq':>6}{'optim':>7}{'tok/s':>10}{'x stock':>9}{'peak GiB':>10}{'loss':>9}  ok")
+        print(f"{'train':<16}{'seq':>6}{'optim':>13}{'tok/s':>10}{'x stock':>9}{'peak GiB':>10}{'loss':>9}  ok")
         for r in results["train"]:
-            print(f"{r['variant']:<16}{r['seq']:>6}{r['optimizer']:>7}{fmt(r.get('tok_s')):>10}"
+            print(f"{r['variant']:<16}{r['seq']:>6}{r.get('optimizer', '-'):>13}{fmt(r.get('tok_s')):>10}"
                   f"{fmt(r.get('speedup_vs_stock')):>9}{fmt(r.get('peak_gib')):>10}{fmt(r.get('first_loss')):>9}  "
                   f"{fmt(r.get('loss_matches_stock'))} {r.get('error', '')}")
     if results.get("parity"):
@@ -655,7 +698,9 @@ def parse_args(argv=None):
                     help="train: the g4ops variants also run g4ops attention (enable(model, attention=True))")
     ap.add_argument("--sliding", choices=["flex", "stock"], default="flex",
                     help="with --g4ops-attention, compiled on CUDA: sliding layers on FlexAttention or stock SDPA")
-    ap.add_argument("--optimizers", default="none,adamw", help="train: none (fwd+bwd) and/or adamw")
+    ap.add_argument("--optimizers", default="none,adamw,g4ops-adamw",
+                    help="train, any of: none (fwd+bwd), adamw (torch.optim.AdamW, fused on CUDA), g4ops-adamw "
+                         "(g4ops.optim.AdamW); all on one compiled model per variant")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=600, help="timed decode; > 512 crosses the window")
     ap.add_argument("--warmup-steps", type=int, default=2)
@@ -695,6 +740,9 @@ def parse_args(argv=None):
         ap.error(f"unknown decode variants {bad}; choose from {', '.join(DECODE_VARIANTS)}")
     args.seqs = [int(s) for s in args.seqs.split(",") if s]
     args.optimizers = [o for o in args.optimizers.split(",") if o]
+    bad = [o for o in args.optimizers if o not in OPTIMIZERS]
+    if bad:
+        ap.error(f"unknown optimizers {bad}; choose from {', '.join(OPTIMIZERS)}")
     return args
 
 

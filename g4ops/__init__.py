@@ -7,6 +7,7 @@ from ._build import status as kernel_status
 from .integration import disable, enable, is_enabled
 from .loss import linear_cross_entropy
 from .ops import decode_attention, geglu_mlp, rms_norm, sandwich_norm
+from . import optim  # g4ops.optim.AdamW
 
 __all__ = [
     "KernelBuildError",

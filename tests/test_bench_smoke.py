@@ -35,7 +35,7 @@ def test_e2e_smoke(tmp_path):
         assert r["final_position"] == 6 + 12  # prompt + every requested token (EOS suppressed)
     assert decode[("g4ops", 2)]["same_tokens_head"] is True  # fp32 on CPU: identical greedy tokens
     train = {(r["variant"], r["optimizer"]): r for r in res["train"]}
-    for optimizer in ("none", "adamw"):
+    for optimizer in ("none", "adamw", "g4ops-adamw"):
         for variant in ("stock", "g4ops"):
             assert train[(variant, optimizer)].get("tok_s", 0) > 0, train[(variant, optimizer)]
         assert train[("g4ops", optimizer)]["loss_matches_stock"] is True
