@@ -157,3 +157,14 @@ def test_decode_attention_bench_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["layer"] for r in rows} == {"sliding", "full"} and all(r["no_worse_than_stock"] for r in rows)
     assert all(r["err_g4ops"] < 1e-2 and r["g4ops_us"] > 0 for r in rows)
+
+
+def test_adamw_bench_smoke(tmp_path):
+    out = tmp_path / "adamw.json"
+    _run(["bench/adamw.py", "--device", "cpu", "--smoke", "--json", str(out)], tmp_path)
+    res = json.loads(out.read_text())
+    rows = {r["impl"]: r for r in res["rows"]}
+    assert set(rows) == {"torch-fused", "torch-foreach", "g4ops"}
+    assert all(0 < r["ms"] < float("inf") for r in rows.values()), rows  # finite: NaN fails both comparisons
+    assert res["check"]["passed"] is True and rows["g4ops"]["check_passed"] is True, res["check"]
+    assert res["check"]["param"]["max_ulp"] <= 1 and res["model"]["parameters"] > 0
