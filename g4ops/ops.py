@@ -12,7 +12,7 @@ Public ops (design.md section 3):
                                            repeating K/V; inference only (`decode_attention` below)
     torch.ops.g4ops.adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs,
         Tensor(c!)[] exp_avg_sqs, Tensor[] steps, float lr, float beta1, float beta2, float weight_decay,
-        float eps) -> ()                   one AdamW update in place, torch's fused AdamW math (g4ops/optim.py)
+        float eps) -> ()                   one AdamW update in place, fp32 math (g4ops/optim.py)
 Internal ops, each a real operator so autograd, torch.compile and CUDA graphs see them:
     rms_norm_backward      grad_x and the weight gradient (fp32 reduction) of rms_norm
     geglu_mlp_forward      the training forward: also returns the gate and up GEMM outputs for the backward
@@ -705,8 +705,9 @@ def adamw_step(
     weight_decay: float, eps: float,
 ) -> None:
     """One AdamW update of every (param, grad, exp_avg, exp_avg_sq) in place, at step number steps[i] (a float32
-    scalar tensor on the parameter's device, already counted: 1 on the first update). The math, expression by
-    expression, is that of `torch.optim.AdamW(fused=True)` (reference.adamw_step). The four tensors of an entry share
-    dtype, shape and strides, and are dense. Call it under torch.no_grad(); g4ops.optim.AdamW is the optimizer."""
+    scalar tensor on the parameter's device, already counted: 1 on the first update), computed in fp32 (fp64 for
+    fp64 tensors) with each value rounded once to its dtype (reference.adamw_step). The four tensors of an entry
+    share dtype, shape and strides, and are dense. Call it under torch.no_grad(); g4ops.optim.AdamW is the
+    optimizer."""
     torch.ops.g4ops.adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, float(lr), float(beta1), float(beta2),
                                float(weight_decay), float(eps))  # fmt: skip

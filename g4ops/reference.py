@@ -11,8 +11,8 @@ inputs (ops.py checks them) and follow the numerics contract of design.md sectio
   gelu and after the product); one rounding is closer to the exact value.
 - decode_attention: scores, softmax and the weighted sum of values in the accumulation dtype, rounded once. A row
   with no visible key is 0, and masked keys are never used (csrc/decode_attention.cu does not read them).
-- adamw_step: in place, PyTorch's fused AdamW arithmetic expression by expression (`adamw_step` says which parts run
-  in fp64), so it and csrc/adamw.cu agree with `torch.optim.AdamW(fused=True)`.
+- adamw_step: in place, AdamW in the accumulation dtype with coefficients rounded once from double, as
+  csrc/adamw.cu computes it (`adamw_step` says where torch's fused AdamW differs).
 
 Every output is a fresh contiguous tensor (the fake kernels promise exactly that); adamw_step returns nothing.
 """
@@ -190,11 +190,6 @@ def decode_attention(
     return out.reshape(b, hq, 1, d).to(q.dtype)
 
 
-def _rounded(value: float, dtype: torch.dtype) -> float:
-    """A Python float (a C double) rounded to `dtype` (RNE), as C's conversion to float does."""
-    return torch.tensor(value, dtype=torch.float64).to(dtype).item()
-
-
 def adamw_step(
     params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], lr: float, beta1: float, beta2: float,
@@ -202,27 +197,29 @@ def adamw_step(
 ) -> None:
     """One AdamW update of each (param, grad, exp_avg, exp_avg_sq) in place, at step number steps[i] (already counted).
 
-    Accumulation dtype A (fp32; fp64 for fp64). As in ATen's fused kernel, the hyperparameters are C doubles: the
-    weight decay and both moment updates are evaluated in fp64 from A values and rounded to A, the bias corrections
-    and the step size are fp64 rounded to A, and `sqrt(v) / sqrt(1 - beta2^t)` is A, plus eps in fp64, rounded to A:
-        p = p - lr * weight_decay * p;   m = beta1 * m + (1 - beta1) * g;   v = beta2 * v + (1 - beta2) * g * g
+    In the accumulation dtype A (fp32; fp64 for fp64), every coefficient rounded once from its double value to A,
+    the bias corrections computed in double:
+        p = p - (lr * weight_decay) * p;   m = beta1 * m + (1 - beta1) * g;   v = beta2 * v + (1 - beta2) * g * g
         p = p - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
-    then p, m and v are rounded once to their dtype. Reads each step number on the host (this is not the fast path)."""
-    f64 = torch.float64
+    then p, m and v are rounded once to their dtype. torch's fused AdamW evaluates the moments and the decay in
+    double instead (csrc/adamw.cu says why g4ops does not); its foreach AdamW in the tensors' dtype. Reads each step
+    number on the host (this is not the fast path)."""
     for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         if p.numel() == 0:
             continue
         acc = accumulation_dtype(p.dtype)
+
+        def coefficient(value: float) -> torch.Tensor:
+            return torch.tensor(value, dtype=acc)  # rounded once from the double
+
         t = float(step)
-        p_acc, g64 = p.to(acc), g.to(acc).to(f64)
+        p_acc, g_acc = p.to(acc), g.to(acc)
         if weight_decay != 0:
-            p_acc = (p_acc.to(f64) - (lr * weight_decay) * p_acc.to(f64)).to(acc)
-        m_acc = (beta1 * m.to(acc).to(f64) + (1 - beta1) * g64).to(acc)
-        v_acc = (beta2 * v.to(acc).to(f64) + (1 - beta2) * g64 * g64).to(acc)
-        step_size = _rounded(lr / _rounded(1 - beta1**t, acc), acc)
-        bias_correction2_sqrt = _rounded(math.sqrt(_rounded(1 - beta2**t, acc)), acc)  # sqrt of A, correctly rounded
-        denom = ((v_acc.sqrt() / torch.tensor(bias_correction2_sqrt, dtype=acc)).to(f64) + eps).to(acc)
-        p_acc = p_acc - (torch.tensor(step_size, dtype=acc) * m_acc) / denom
+            p_acc = p_acc - coefficient(lr * weight_decay) * p_acc
+        m_acc = coefficient(beta1) * m.to(acc) + coefficient(1 - beta1) * g_acc
+        v_acc = coefficient(beta2) * v.to(acc) + coefficient(1 - beta2) * g_acc * g_acc
+        denom = v_acc.sqrt() / coefficient(math.sqrt(1 - beta2**t)) + coefficient(eps)
+        p_acc = p_acc - coefficient(lr / (1 - beta1**t)) * m_acc / denom
         p.copy_(p_acc)
         m.copy_(m_acc)
         v.copy_(v_acc)
