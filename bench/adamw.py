@@ -10,11 +10,12 @@ decay is part of the timed work).
 Correctness first, from the initial params and empty state: one torch-fused step and one g4ops step on copies, and
 their params, exp_avg and exp_avg_sq compared element by element (how many differ, the max abs difference, the max
 distance in ulps of the dtype). The two round differently (ATen's fused CUDA kernel evaluates the moments in fp64,
-g4ops in fp32 from coefficients rounded once; csrc/adamw.cu), so a stored bf16 value may land 1 ulp apart: on the H200 (2026-11-30, E4B) 0.68% of exp_avg_sq and no param or exp_avg. The g4ops
-row fails (and the script exits non-zero at the end) if one differs by more than 1 ulp anywhere: params, exp_avg and
-exp_avg_sq on CUDA; params only elsewhere, because torch's CPU fused kernel has arithmetic of its own (in fp32 on
-CPU, params were up to 2 ulp apart on 17% of the elements and the check fails there). Which is closer to exact is
-tests/test_adamw.py's question (against an fp64 oracle).
+g4ops in fp32 from coefficients rounded once; csrc/adamw.cu), so a stored bf16 value may land 1 ulp apart: on the
+H200 (2026-11-30, E4B) 0.68% of exp_avg_sq and no param or exp_avg. The g4ops row fails (and the script exits
+non-zero at the end) if one differs by more than 1 ulp anywhere: params, exp_avg and exp_avg_sq on CUDA; params only
+elsewhere, because torch's CPU fused kernel has arithmetic of its own (in fp32 on CPU, params were up to 2 ulp apart
+on 17% of the elements and the check fails there). Which is closer to exact is tests/test_adamw.py's question
+(against an fp64 oracle).
 The check covers every tensor, in groups of at most as many elements as the largest tensor, so it needs six copies
 of the largest tensor next to the params and grads (34 GB at E4B bf16).
 
