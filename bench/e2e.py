@@ -391,13 +391,13 @@ def train_variant(args, variant: str, seq: int, ids: torch.Tensor) -> list[dict]
                 state["initial"] = [p.detach().to("cpu", copy=True) for p in model.parameters()]
             for optimizer in args.optimizers:
                 rows.append(dict(common, optimizer=optimizer))
-                train_rows_optimizer(args, model, step_model, optimizer, ids, state, rows[-1])
+                measure_optimizer_row(args, model, step_model, optimizer, ids, state, rows[-1])
                 if use_g4ops and "error" not in rows[-1]:  # the kernels load on first use
                     rows[-1]["g4ops_kernels_loaded"] = g4ops.kernel_status()["loaded"]
     except Exception as exc:  # noqa: BLE001 - report (one row per optimizer not measured) and go on
-        error = f"{type(exc).__name__}: {exc}"
+        error = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {exc}"
         rows += [dict(common, optimizer=o, error=error) for o in args.optimizers[len(rows):]]
-        if not isinstance(exc, ImportError):
+        if not is_oom(exc) and not isinstance(exc, ImportError):
             traceback.print_exc()
     finally:
         if liger_undo is not None:
@@ -409,7 +409,7 @@ def train_variant(args, variant: str, seq: int, ids: torch.Tensor) -> list[dict]
     return rows
 
 
-def train_rows_optimizer(args, model, step_model, optimizer: str, ids: torch.Tensor, state: dict, row: dict):
+def measure_optimizer_row(args, model, step_model, optimizer: str, ids: torch.Tensor, state: dict, row: dict):
     """Fills `row`: first step (compilation included for the first optimizer of a compiled variant), first loss,
     median step time of `--steps` after `--warmup-steps`, peak memory; or the error."""
     try:

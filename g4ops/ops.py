@@ -256,8 +256,8 @@ def _check_adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, be
         ("eps", eps, eps >= 0.0, ">= 0"),
     ):  # fmt: skip
         torch._check(ok, lambda: f"g4ops.{op}: `{name}` must be {rule}, got {value}")
-    # One cheap test per entry (an optimizer passes hundreds every step; the named checks cost ~0.2 ms each), the
-    # named checks only for an entry that fails it.
+    # One cheap test per entry, the named checks only for an entry that fails it: an optimizer passes hundreds of
+    # entries every step, and the named checks took 22 ms for E4B's 623 (the cheap test: 1.2 ms).
     for i, (p, g, m, v, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
         shape, strides, device = p.shape, p.stride(), p.device
         if not (

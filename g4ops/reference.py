@@ -202,8 +202,8 @@ def adamw_step(
         p = p - (lr * weight_decay) * p;   m = beta1 * m + (1 - beta1) * g;   v = beta2 * v + (1 - beta2) * g * g
         p = p - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
     then p, m and v are rounded once to their dtype. torch's fused AdamW evaluates the moments and the decay in
-    double instead (csrc/adamw.cu says why g4ops does not); its foreach AdamW in the tensors' dtype. Reads each step
-    number on the host (this is not the fast path)."""
+    double instead, per its source (csrc/adamw.cu says why g4ops does not); its foreach AdamW in the tensors' dtype.
+    Reads each step number on the host (this is not the fast path)."""
     for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         if p.numel() == 0:
             continue
