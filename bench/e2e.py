@@ -436,8 +436,12 @@ def measure_optimizer_row(args, model, step_model, optimizer: str, ids: torch.Te
         sync(args.device)
         row["first_step_s"] = time.perf_counter() - t  # compilation included for the first compiled row
         row["first_loss"] = float(first)
+        row["warmup_steps_s"] = []  # a recompile after the first call shows here (it cost minutes at 42 layers)
         for _ in range(args.warmup_steps - 1):
+            t = time.perf_counter()
             step()
+            sync(args.device)
+            row["warmup_steps_s"].append(time.perf_counter() - t)
         times = []
         for _ in range(args.steps):
             sync(args.device)

@@ -93,14 +93,12 @@ def make_causal_lm_forward(stock_forward):
     names = list(signature.parameters)
     var_kw = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     out_cls, out_fields = _output_class(stock_forward)  # looked up once here, not while torch.compile traces
-    model_params: dict[type, set[str]] = {}  # decoder class -> its explicit forward parameters
     causal_types = _causal_loss_types()
 
     def fused(self, arguments: dict, extra: dict):
-        decoder = type(self.model)
-        if decoder not in model_params:
-            model_params[decoder] = _explicit_params(decoder.forward)
-        accepted = model_params[decoder]
+        # Read each call, not memoised: a memo filled on the first call changed what torch.compile had guarded on,
+        # and every compiled model recompiled on its second call (minutes at 42 layers). Dynamo folds it.
+        accepted = _explicit_params(type(self.model).forward)
         call = {k: v for k, v in arguments.items() if k in accepted}  # what stock hands the decoder
         outputs = self.model(**call, **extra)
         hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
