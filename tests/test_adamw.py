@@ -78,15 +78,13 @@ def _g4ops_update(p, g, m, v, step, hyper):
     return p, m, v
 
 
-def _torch_update(p, g, m, v, step, hyper, **flags):
-    """torch.optim.AdamW at step `step` from the given state (contiguous copies; fused=True unless told)."""
+def _torch_update(p, g, m, v, step, hyper):
+    """torch.optim.AdamW(fused=True) at step `step` from the given state (contiguous copies)."""
     param = p.detach().clone().contiguous().requires_grad_()
     param.grad = g.clone().contiguous()
-    flags = flags or dict(fused=True)
     opt = torch.optim.AdamW([param], lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
-                            weight_decay=hyper["weight_decay"], **flags)  # fmt: skip
-    on_device = flags.get("fused") or flags.get("capturable")
-    step_t = torch.tensor(float(step - 1), device=p.device if on_device else "cpu")
+                            weight_decay=hyper["weight_decay"], fused=True)  # fmt: skip
+    step_t = torch.tensor(float(step - 1), device=p.device)  # fused keeps the count on the parameter's device
     opt.state[param] = dict(step=step_t, exp_avg=m.clone().contiguous(), exp_avg_sq=v.clone().contiguous())
     opt.step()
     return param.detach(), opt.state[param]["exp_avg"], opt.state[param]["exp_avg_sq"]
