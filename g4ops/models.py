@@ -1,6 +1,8 @@
 """Gemma-4 text configs and models built in code (no downloads): the tiny test/demo models and the real E4B/E2B
 shapes for benchmarks. Configs are built from keyword arguments, because a config file saved by one transformers
-version can load wrongly in another (design.md section 5). `load_checkpoint` loads a real one from a local path."""
+version can load wrongly in another (design.md section 5). `load_checkpoint` loads a real one from a local path.
+`tiny_tokenizer` is a byte-level tokenizer built in code whose vocabulary is the tiny models' (ids 0..vocab_size-1),
+with Gemma-4's chat format, for the demo and the server when no checkpoint is given."""
 
 from __future__ import annotations
 
@@ -85,3 +87,82 @@ def load_checkpoint(path: str, dtype=torch.bfloat16, device="cpu"):
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model.to(device).eval()
+
+
+# Gemma-4's chat format (ai.google.dev "Gemma 4 prompt formatting"): a turn is `<|turn>{role}\n{text}<turn|>\n`,
+# roles system/user/model (OpenAI's "assistant" is "model"), and the generation prompt opens a model turn.
+TURN_START, TURN_END = "<|turn>", "<turn|>"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<|turn>' + role + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] | trim }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "{{ '<turn|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|turn>model\n' }}{% endif %}"
+)
+# The tiny tokenizer's control tokens below its 256 byte tokens; pad/bos/eos ids come from the text config. The turn
+# ids are E4B's (its generation config stops at [1, 106, 50]: <eos>, <turn|>, ...); the multimodal placeholders are
+# named by the Gemma4Config arguments that carry their ids.
+TINY_CONTROL_TOKENS = {"<unk>": 3, "<mask>": 4, TURN_START: 105, TURN_END: 106}
+TINY_MULTIMODAL_TOKENS = {
+    "image_token_id": ("<|image|>", 200), "boi_token_id": ("<|image>", 201), "eoi_token_id": ("<image|>", 202),
+    "audio_token_id": ("<|audio|>", 203), "boa_token_id": ("<|audio>", 204), "eoa_token_index": ("<audio|>", 205),
+    "video_token_id": ("<|video|>", 206),
+}
+_BYTES = 256
+
+
+def _byte_chars() -> list[str]:
+    """The printable character GPT-2's byte-level scheme (the `tokenizers` ByteLevel pre-tokenizer) maps each byte to."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(_BYTES):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(_BYTES + extra)
+            extra += 1
+    return [chars[b] for b in range(_BYTES)]
+
+
+def tiny_tokenizer(config=None):
+    """A `PreTrainedTokenizerFast` whose vocabulary is exactly ids 0..vocab_size-1 of `config` (default: the tiny-e4b
+    text config): bos/eos/pad at the config's ids, Gemma-4's turn tokens and multimodal placeholders, `<unusedN>`
+    fillers, and the 256 bytes as the last ids (byte-level, no merges: any text encodes and decodes back exactly).
+    It prepends bos as Gemma's tokenizer does and carries Gemma-4's chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    config = text_config("tiny-e4b") if config is None else getattr(config, "text_config", config)
+    named = {"<pad>": config.pad_token_id, "<bos>": config.bos_token_id, "<eos>": _first(config.eos_token_id)}
+    named.update(TINY_CONTROL_TOKENS)
+    named.update(dict(TINY_MULTIMODAL_TOKENS.values()))
+    first_byte = config.vocab_size - _BYTES
+    if len(set(named.values())) != len(named) or max(named.values()) >= first_byte or min(named.values()) < 0:
+        raise ValueError(f"tiny_tokenizer: config vocab_size={config.vocab_size} and special ids {named} leave no "
+                         f"room for {len(named)} distinct control tokens below the {_BYTES} byte tokens")
+    by_id = {i: token for token, i in named.items()}
+    vocab = {by_id.get(i, f"<unused{i}>"): i for i in range(first_byte)}
+    vocab.update({char: first_byte + b for b, char in enumerate(_byte_chars())})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    # use_regex=False: no word splitting, bytes are the tokens; no prefix space so decode(encode(s)) == s.
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", config.bos_token_id)])
+    control = [TURN_START, TURN_END, "<mask>", *dict(TINY_MULTIMODAL_TOKENS.values())]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        additional_special_tokens=control, chat_template=CHAT_TEMPLATE, padding_side="left",
+    )
+
+
+def _first(token_ids):
+    """The first of an id or a list of ids (a config's eos_token_id may be either), or None."""
+    if isinstance(token_ids, (list, tuple)):
+        return token_ids[0] if token_ids else None
+    return token_ids
