@@ -36,6 +36,7 @@ future change of semantics is refused loudly instead of producing a silently dif
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 import weakref
@@ -200,6 +201,79 @@ def _make_decoder_layer_forward(stock_forward):
     return forward
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Gradient checkpointing. transformers 5.6 to 5.22 checkpoints a GradientCheckpointingLayer in `__call__`, around
+# whatever `forward` the module has, so replacing `forward` kept it. Since 5.23 `__init_subclass__` wraps each layer
+# class's own `forward` in a `forward_with_checkpointing`, which checkpoints only when `type(self).forward` is that
+# wrapper: replacing the class's forward silently turned checkpointing off (the layer's activations stayed alive; the
+# losses and gradients were equal, so only memory showed it). So a forward we put on such a class is wrapped by
+# transformers' own `__init_subclass__` again, and one we put on a single instance checkpoints itself the same way.
+
+
+def _checkpoint_wrapper_code():
+    """The code object every `forward_with_checkpointing` shares (transformers >= 5.23), else None."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return None
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError
+
+    probe = type("_G4opsCheckpointProbe", (GradientCheckpointingLayer,), {"forward": forward})
+    wrapped = vars(probe)["forward"]
+    return None if wrapped is forward else wrapped.__code__
+
+
+_CHECKPOINT_WRAPPER_CODE = None  # looked up on first use (importing transformers' modeling_layers is not free)
+
+
+def _is_checkpoint_wrapper(forward) -> bool:
+    global _CHECKPOINT_WRAPPER_CODE
+    if _CHECKPOINT_WRAPPER_CODE is None:
+        _CHECKPOINT_WRAPPER_CODE = _checkpoint_wrapper_code() or False
+    return bool(_CHECKPOINT_WRAPPER_CODE) and getattr(forward, "__code__", None) is _CHECKPOINT_WRAPPER_CODE
+
+
+def _unwrap_checkpoint(forward):
+    """The forward inside transformers' checkpoint wrappers (one per subclass level, e.g. FSDP2's generated class)."""
+    while _is_checkpoint_wrapper(forward):
+        forward = forward.__wrapped__
+    return forward
+
+
+def _class_forward(cls: type, make_forward):
+    """The replacement for `cls.forward`, built around the forward it replaces and keeping transformers' checkpoint
+    wrapper outermost: a throwaway subclass lets the same `__init_subclass__` wrap ours."""
+    stock = cls.forward
+    if not _is_checkpoint_wrapper(stock):
+        return make_forward(stock)
+    ours = make_forward(_unwrap_checkpoint(stock))
+    return vars(type(f"_G4ops{cls.__name__}", (cls,), {"forward": ours, "__module__": __name__}))["forward"]
+
+
+def _instance_forward(module: nn.Module, make_forward):
+    """The replacement for one module's forward (enable(model)). A checkpointing layer class's wrapper never sees an
+    instance-level forward, so for such a class ours checkpoints itself as transformers' wrapper does (5.23, 5.24)."""
+    if not _is_checkpoint_wrapper(type(module).forward):
+        return types.MethodType(make_forward(_stock_forward_of(type(module))), module)
+    ours = make_forward(_stock_forward_of(type(module)))
+
+    def forward(self, *args, **kwargs):
+        if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
+            return ours(self, *args, **kwargs)
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        if not getattr(self, "_can_checkpoint_with_cache", False):
+            for name in ("cache", "layer_past"):  # the names transformers' wrapper clears
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
+        return self._gradient_checkpointing_func(functools.partial(ours, self, **kwargs), *args)
+
+    setattr(forward, _MARK, getattr(ours, _MARK))
+    return types.MethodType(forward, module)
+
+
 def _patch_table() -> dict[type, callable]:
     """Class -> factory of its replacement forward."""
     hf = _gemma4()
@@ -326,8 +400,9 @@ _instance_patches: list[weakref.ref] = []  # modules whose instance-level forwar
 
 
 def _stock_forward_of(cls: type):
+    """The forward transformers defined for `cls`: ours point to it, and checkpoint wrappers are peeled off."""
     forward = cls.forward
-    return getattr(forward, _MARK, forward)
+    return _unwrap_checkpoint(getattr(forward, _MARK, forward))
 
 
 class _Patches:
@@ -623,8 +698,9 @@ def enable(model: nn.Module | None = None, attention: bool = False, decode: bool
         patched = []
         for cls, make_forward in table.items():
             if cls not in _class_patches:
+                forward = _class_forward(cls, make_forward)
                 _class_patches[cls] = cls.forward
-                cls.forward = make_forward(cls.forward)
+                cls.forward = forward
                 patched.append(cls)
         generate = [cls for cls in _causal_lm_classes(hf) if decode and _patch_generate(cls)]
         layer_order = [cls for cls in _text_model_classes(hf) if _sort_layer_types_of_class(cls)]
@@ -644,10 +720,9 @@ def enable(model: nn.Module | None = None, attention: bool = False, decode: bool
         cls = next((c for c in table if isinstance(module, c)), None)
         if cls is None or "forward" in vars(module) or cls in _class_patches:
             continue  # not ours, already patched on the instance, or the class patch covers it
-        stock = _stock_forward_of(type(module))
-        if stock is not _stock_forward_of(cls):
+        if _stock_forward_of(type(module)) is not _stock_forward_of(cls):
             continue  # a subclass with a forward of its own: not what the patch reproduces
-        module.forward = types.MethodType(table[cls](stock), module)
+        module.forward = _instance_forward(module, table[cls])
         _instance_patches.append(weakref.ref(module))
         patched_modules.append(module)
     patched_modules = list(dict.fromkeys(patched_modules))  # the model itself may have both patches
