@@ -1,0 +1,613 @@
+"""Continuous batching for Gemma-4: `BatchEngine(model).start()`, then `submit(prompt_ids, params, on_event)` from
+any thread; requests join a running batch at the next step and leave it when they finish.
+
+The KV cache (`SlotKVCache`) has `max_batch` rows; a request holds one row from admission to its end. Each row has
+its own position, KV and sampling settings, all [max_batch] device tensors, so rows at different positions share one
+decode step. Full-attention layers keep `max_context` slots per row (slot = position); sliding layers a ring of
+`sliding_window` slots (slot = position mod window), as `g4ops.decode.GraphKVCache`. Every layer has one more slot,
+the scratch slot: rows that are not decoding (free, or still in prefill) write their step's K/V there and see only
+it, so the step never touches a prefilling row's cache and never computes on an empty mask.
+
+One engine thread owns the device and loops: apply cancels, admit waiting requests into free rows, run one prefill
+chunk (at most `prefill_chunk` tokens of the oldest admitted prompt, so a new prompt stalls the decoding rows for at
+most one chunk), run one decode step over the decoding rows, emit the tokens. A prefill chunk attends over the row's
+cached keys plus the chunk: full layers write the chunk first and read slots [0, end); sliding layers read the ring
+as it was before the chunk, concatenated with the chunk, and write the chunk's last `window` tokens afterwards (a
+chunk longer than the window would otherwise overwrite keys its own first queries still see).
+
+The decode step is one model call over the first `b` rows, `b` the smallest batch bucket (1, 2, 4, ..., max_batch)
+covering every decoding row (a new request takes the lowest free row, so the active rows stay packed): input_ids and
+position_ids [b, 1], per-row bool masks [b, 1, 1, slots] built on the device from the positions, the K/V write a
+per-row scatter, attention `g4ops.decode_attention`, then the softcapped logits in fp32 into the sampler. On CUDA
+each (bucket, sampling mode) is captured once as a CUDA graph (lazily, the first time it is needed); elsewhere, or
+with `cuda_graph=False`, the same step runs eagerly. Modes: all greedy (argmax only), sampling, sampling with some
+seeded rows (their noise from `seeded_exponential(seed, generated-token index)`, so their tokens do not depend on the
+batch; the other rows draw from torch's generator). The host reads the step's tokens back once per step (each token
+is an event).
+
+Exactness: in fp32 a greedy request's tokens are its solo run's and stock `generate(do_sample=False)`'s, up to the
+order attention sums over the keys (decode.py's note), and up to the batched matmuls' rounding for other rows in
+the batch (a BLAS kernel may change with the batch size).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import inspect
+import itertools
+import logging
+import math
+import threading
+from typing import Callable
+
+import torch
+
+from ..decode import DECODE_ATTENTION, _register_decode_attention, _text_attentions
+from ..models import FULL
+from .sampler import sample, seeded_exponential
+
+__all__ = ["BatchEngine", "EngineStats", "QueueFull", "SamplingParams", "SlotKVCache", "TokenEvent"]
+
+log = logging.getLogger(__name__)
+
+_SEED_LIMIT = 2**63  # seeds live in an int64 device tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int  # >= 1
+    temperature: float = 1.0  # 0: greedy (as OpenAI's API); > 0 samples
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off
+    seed: int | None = None  # reproducible sampling, independent of the batch neighbours
+    stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting one (finish_reason "stop")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    token_id: int | None  # None only on a final event that carries no token
+    finish_reason: str | None  # None while running; then "stop" | "length" | "cancelled" | "error"
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    running: int  # requests holding a KV row (in prefill or decoding)
+    waiting: int  # submitted, not yet admitted
+    kv_slots_in_use: int  # KV rows held (= running)
+    kv_slots_total: int  # max_batch
+    generated_tokens: int = 0  # tokens emitted since the engine was made
+    decode_steps: int = 0
+
+
+class QueueFull(RuntimeError):
+    """submit() while max_waiting requests already wait."""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_request(prompt_ids, params, max_context: int, vocab_size: int) -> None:
+    """Raise ValueError naming the first bad field of a request."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+        raise ValueError("prompt_ids must be a non-empty list of token ids")
+    bad = next((t for t in prompt_ids if not _is_int(t) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt_ids: {bad!r} is not a token id in [0, {vocab_size})")
+    if not _is_int(params.max_new_tokens) or params.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {params.max_new_tokens!r}")
+    if len(prompt_ids) + params.max_new_tokens > max_context:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                         f"max_context {max_context}")  # fmt: skip
+    if not _is_real(params.temperature) or params.temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {params.temperature!r}")
+    if not _is_int(params.top_k) or params.top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0, got {params.top_k!r}")
+    if not _is_real(params.top_p) or not 0 <= params.top_p <= 1:
+        raise ValueError(f"top_p must be in [0, 1], got {params.top_p!r}")
+    if not _is_real(params.min_p) or not 0 <= params.min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {params.min_p!r}")
+    if params.seed is not None and (not _is_int(params.seed) or not 0 <= params.seed < _SEED_LIMIT):
+        raise ValueError(f"seed must be None or an int in [0, 2**63), got {params.seed!r}")
+    stops = params.stop_token_ids
+    if not isinstance(stops, (list, tuple)) or any(not _is_int(t) or not 0 <= t < vocab_size for t in stops):
+        raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {stops!r}")
+
+
+# -- the KV cache -------------------------------------------------------------------------------------------------
+class SlotKVCache:
+    """Per KV-owning layer, K and V buffers [rows, kv_heads, slots + 1, head_dim]; the last slot is scratch."""
+
+    def __init__(self, model, rows: int, max_context: int):
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        param = next(model.parameters())
+        self.rows, self.max_context = rows, max_context
+        self.window = min(config.sliding_window, max_context)
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.full: dict[int, bool] = {}  # layer -> slot = position (else the ring)
+        for attn in _text_attentions(model):
+            if attn.is_kv_shared_layer:
+                continue
+            i = attn.layer_idx
+            self.full[i] = config.layer_types[i] == FULL
+            slots = (max_context if self.full[i] else self.window) + 1
+            shape = (rows, attn.k_proj.out_features // attn.head_dim, slots, attn.head_dim)
+            self.keys[i] = torch.zeros(shape, dtype=param.dtype, device=param.device)
+            self.values[i] = torch.zeros(shape, dtype=param.dtype, device=param.device)
+        if not self.keys:
+            raise TypeError(f"SlotKVCache: no Gemma-4 attention layers found in {type(model).__name__}")
+
+    def check(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        keys = self.keys[layer_idx]
+        if keys.shape[1] != key_states.shape[1] or keys.shape[3] != key_states.shape[3]:
+            raise ValueError(f"SlotKVCache: layer {layer_idx} got K/V {list(key_states.shape)} but holds "
+                             f"{list(keys.shape)}; the model's config does not match the cache")  # fmt: skip
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+
+
+class _CacheCall:
+    """What a model call gets as past_key_values: transformers calls update() per KV-owning layer."""
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # transformers asks only when no position_ids are given
+        raise RuntimeError("BatchEngine: the cache needs position_ids; positions live on the device")
+
+
+class _DecodeCall(_CacheCall):
+    """One decode step over rows [0, b): row r writes at its position's slot if it decodes, else at scratch."""
+
+    def __init__(self, cache: SlotKVCache, b: int, position: torch.Tensor, active: torch.Tensor):
+        self.cache, self.b = cache, b
+        self.position, self.active = position, active  # [b] int64, [b] bool
+        self.slot = {
+            True: torch.where(active, position, cache.max_context),
+            False: torch.where(active, torch.remainder(position, cache.window), cache.window),
+        }
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        c = self.cache
+        c.check(layer_idx, key_states)
+        keys, values = c.keys[layer_idx][: self.b], c.values[layer_idx][: self.b]
+        _, h, _, d = key_states.shape
+        index = self.slot[c.full[layer_idx]].view(self.b, 1, 1, 1).expand(self.b, h, 1, d)
+        keys.scatter_(2, index, key_states)
+        values.scatter_(2, index, value_states)
+        return keys, values
+
+    def masks(self) -> dict[str, torch.Tensor]:
+        """{layer type: bool [b, 1, 1, slots + 1]}: a decoding row sees its positions <= p; the others scratch only."""
+        c, p, dev = self.cache, self.position[:, None], self.position.device
+        active = self.active[:, None]
+        full = torch.arange(c.max_context + 1, device=dev)[None, :]
+        full = torch.where(active, (full <= p) & (full < c.max_context), full == c.max_context)
+        ring = torch.arange(c.window + 1, device=dev)[None, :]
+        held = p - torch.remainder(p - ring, c.window)  # the position ring slot s holds once p is written
+        ring = torch.where(active, (held >= 0) & (ring < c.window), ring == c.window)
+        return {FULL: full[:, None, None, :], "sliding_attention": ring[:, None, None, :]}
+
+
+class _PrefillCall(_CacheCall):
+    """One prefill chunk of row `row`: tokens at positions [start, start + n), earlier positions already cached."""
+
+    def __init__(self, cache: SlotKVCache, row: int, start: int, n: int):
+        self.cache, self.row, self.start, self.n = cache, row, start, n
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        c, r, start, n = self.cache, self.row, self.start, self.n
+        c.check(layer_idx, key_states)
+        keys, values = c.keys[layer_idx], c.values[layer_idx]
+        if c.full[layer_idx]:
+            keys[r, :, start : start + n] = key_states[0]
+            values[r, :, start : start + n] = value_states[0]
+            return keys[r : r + 1, :, : start + n], values[r : r + 1, :, : start + n]
+        w = c.window  # the ring before this chunk, then the chunk (cat copies, so the write below cannot reach it)
+        seen_k = torch.cat([keys[r : r + 1, :, :w], key_states], dim=2)
+        seen_v = torch.cat([values[r : r + 1, :, :w], value_states], dim=2)
+        keep = min(n, w)
+        slots = torch.remainder(torch.arange(start + n - keep, start + n, device=keys.device), w)
+        keys[r].index_copy_(1, slots, key_states[0, :, n - keep :])
+        values[r].index_copy_(1, slots, value_states[0, :, n - keep :])
+        return seen_k, seen_v
+
+    def masks(self) -> dict[str, torch.Tensor]:
+        """{FULL: [1, 1, n, start + n], sliding: [1, 1, n, window + n]} bool, True = attend."""
+        c, start, n = self.cache, self.start, self.n
+        dev = c.keys[next(iter(c.keys))].device
+        q = torch.arange(start, start + n, device=dev)[:, None]  # query positions
+        full = torch.arange(start + n, device=dev)[None, :] <= q
+        ring = torch.arange(c.window, device=dev)[None, :]
+        held = (start - 1) - torch.remainder(start - 1 - ring, c.window)  # position in slot s before the chunk
+        chunk = torch.arange(start, start + n, device=dev)[None, :]
+        # the ring is min(window, max_context) long: a longer window changes nothing below max_context
+        w = c.window
+        sliding = torch.cat([(held >= 0) & (held > q - w), (chunk <= q) & (chunk > q - w)], dim=1)
+        return {FULL: full[None, None], "sliding_attention": sliding[None, None]}
+
+
+# -- requests -----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class _Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    on_event: Callable[[TokenEvent], None]
+    stops: frozenset
+    row: int = -1
+    prefilled: int = 0  # prompt tokens in the cache
+    generated: int = 0  # tokens emitted
+
+
+def _buckets(max_batch: int) -> list[int]:
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return [*out, max_batch]
+
+
+class BatchEngine:
+    """Continuous-batching generation over one Gemma-4 text model (see the module docstring).
+
+    engine = BatchEngine(model, max_batch=16, max_context=2048); engine.start()
+    rid = engine.submit(prompt_ids, SamplingParams(max_new_tokens=64, temperature=0), on_event)
+    ...; engine.shutdown()
+
+    `on_event(TokenEvent)` is called from the engine thread once per token, in order; the last call has a
+    finish_reason. It must be cheap; if it raises, that request is cancelled. Without start(), `step()` runs one
+    loop iteration in the caller's thread (tests, single-threaded drivers).
+    """
+
+    def __init__(self, model, max_batch: int = 16, max_context: int = 2048, max_waiting: int = 256,
+                 prefill_chunk: int = 256, cuda_graph: bool | None = None):  # fmt: skip
+        for name, value, low in (("max_batch", max_batch, 1), ("max_context", max_context, 2),
+                                 ("max_waiting", max_waiting, 0), ("prefill_chunk", prefill_chunk, 1)):  # fmt: skip
+            if not _is_int(value) or value < low:
+                raise ValueError(f"BatchEngine: {name} must be an int >= {low}, got {value!r}")
+        param = next(model.parameters())
+        self.model = model
+        self.device = param.device
+        self.max_batch, self.max_context, self.max_waiting = max_batch, max_context, max_waiting
+        self.prefill_chunk = prefill_chunk
+        self.use_graph = self.device.type == "cuda" if cuda_graph is None else bool(cuda_graph)
+        if self.use_graph and self.device.type != "cuda":
+            raise ValueError(f"BatchEngine: cuda_graph=True needs the model on a CUDA device, not {self.device}")
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = config.vocab_size
+        self.cache = SlotKVCache(model, max_batch, max_context)
+        # transformers 5.24 renamed forward's past_key_values to cache (the old name warns on every call)
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+        dev, rows = self.device, max_batch
+        self.next_ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)  # the token each row decodes next
+        self.position = torch.zeros(rows, dtype=torch.long, device=dev)  # ... and its position
+        self.active = torch.zeros(rows, dtype=torch.bool, device=dev)  # the row decodes in the step
+        self.counter = torch.zeros(rows, dtype=torch.long, device=dev)  # tokens the row has generated
+        self.temperature = torch.ones(rows, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(rows, dtype=torch.float64, device=dev)  # fp64: 1 - top_p as Python computes it
+        self.min_p = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self.greedy = torch.ones(rows, dtype=torch.bool, device=dev)
+        self.seed = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.seeded = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.buckets = _buckets(max_batch)
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool = None  # one memory pool for every captured step (they never run at the same time)
+
+        self._attention_configs = []  # the text configs the step switches to decode_attention
+        _register_decode_attention()
+        for attn in _text_attentions(model):
+            config_ = getattr(attn, "config", None)
+            if config_ is not None and all(config_ is not c for c in self._attention_configs):
+                self._attention_configs.append(config_)
+
+        # shared with submit/cancel/stats (under _lock); the rest is the engine thread's
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._ids = itertools.count(1)
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._live: set[int] = set()  # ids submitted and not yet finished
+        self._cancels: set[int] = set()
+        self._held = 0  # rows held
+        self._tokens = 0
+        self._steps = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        # engine-thread state
+        self._rows: list[_Request | None] = [None] * rows
+        self._prefilling: collections.deque[_Request] = collections.deque()
+
+    # -- the public, thread-safe side ---------------------------------------------------------------------------
+    def start(self) -> None:
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("BatchEngine: start() after shutdown()")
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, name="g4ops-batch-engine", daemon=True)
+            self._thread.start()
+
+    def submit(self, prompt_ids, params: SamplingParams, on_event: Callable[[TokenEvent], None]) -> int:
+        check_request(prompt_ids, params, self.max_context, self.vocab_size)
+        if not callable(on_event):
+            raise ValueError("on_event must be callable")
+        req = _Request(0, [int(t) for t in prompt_ids], params, on_event, frozenset(params.stop_token_ids))
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("BatchEngine: submit() after shutdown()")
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFull(f"BatchEngine: {len(self._waiting)} requests already wait (max_waiting)")
+            req.id = next(self._ids)
+            self._waiting.append(req)
+            self._live.add(req.id)
+            self._wake.notify()
+        return req.id
+
+    def cancel(self, request_id: int) -> None:
+        with self._lock:
+            if request_id in self._live:
+                self._cancels.add(request_id)
+                self._wake.notify()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(running=self._held, waiting=len(self._waiting), kv_slots_in_use=self._held,
+                               kv_slots_total=self.max_batch, generated_tokens=self._tokens,
+                               decode_steps=self._steps)  # fmt: skip
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop accepting requests, end every request in flight with "cancelled", join the engine thread."""
+        with self._lock:
+            self._stopping = True
+            thread = self._thread
+            self._wake.notify()
+        if thread is None:
+            self._cancel_everything()  # never started: nothing else touches the state
+        elif thread is not threading.current_thread():
+            thread.join(timeout)
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            with self._lock:
+                while not self._stopping and not (self._waiting or self._cancels or self._busy()):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+            self.step()
+        self._cancel_everything()
+
+    def _busy(self) -> bool:
+        return self._held > 0
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """One loop iteration: cancels, admissions, one prefill chunk, one decode step. -> whether work was done."""
+        try:
+            self._apply_cancels()
+            self._admit()
+            worked = False
+            if self._prefilling:
+                self._prefill_chunk(self._prefilling[0])
+                worked = True
+            if any(r is not None and r.prefilled == len(r.prompt) for r in self._rows):
+                self._decode()
+                worked = True
+            return worked
+        except Exception as e:  # noqa: BLE001 - a bug outside the model calls: fail what is in flight, keep going
+            log.exception("BatchEngine: loop iteration failed")
+            for req in [r for r in self._rows if r is not None]:
+                self._finish(req, None, "error", f"{type(e).__name__}: {e}")
+            return True
+
+    def _apply_cancels(self) -> None:
+        with self._lock:
+            cancels, self._cancels = self._cancels, set()
+            waiting = [r for r in self._waiting if r.id in cancels]
+            for req in waiting:
+                self._waiting.remove(req)
+        for req in waiting:
+            self._end_unadmitted(req, "cancelled")
+        for req in [r for r in self._rows if r is not None and r.id in cancels]:
+            self._finish(req, None, "cancelled")
+
+    def _admit(self) -> None:
+        while True:
+            row = next((i for i, r in enumerate(self._rows) if r is None), None)
+            with self._lock:
+                if row is None or not self._waiting:
+                    return
+                req = self._waiting.popleft()
+                self._held += 1
+            req.row = row
+            self._rows[row] = req
+            p = req.params
+            greedy = p.temperature == 0
+            self.temperature[row] = p.temperature if not greedy else 1.0
+            self.top_k[row] = p.top_k
+            self.top_p[row] = p.top_p
+            self.min_p[row] = p.min_p
+            self.greedy[row] = greedy
+            self.seed[row] = p.seed if p.seed is not None else 0
+            self.seeded[row] = p.seed is not None
+            self.counter[row] = 0
+            self._prefilling.append(req)
+
+    def _prefill_chunk(self, req: _Request) -> None:
+        start = req.prefilled
+        n = min(self.prefill_chunk, len(req.prompt) - start)
+        try:
+            ids = torch.tensor([req.prompt[start : start + n]], dtype=torch.long, device=self.device)
+            call = _PrefillCall(self.cache, req.row, start, n)
+            logits = self.model(
+                input_ids=ids, attention_mask=call.masks(), **{self._cache_kw: call}, use_cache=True, logits_to_keep=1,
+                position_ids=torch.arange(start, start + n, device=self.device)[None, :],
+            ).logits  # fmt: skip
+            req.prefilled += n
+            if req.prefilled < len(req.prompt):
+                return
+            self._prefilling.popleft()
+            row = slice(req.row, req.row + 1)
+            token = int(self._choose(logits[:, -1].float(), row, self._mode([req]), self.counter[row])[0])
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            log.exception("BatchEngine: prefill of request %d failed", req.id)
+            self._finish(req, None, "error", f"{type(e).__name__}: {e}")
+            return
+        r = req.row
+        self.next_ids[r, 0] = token
+        self.position[r] = len(req.prompt)
+        self.counter[r] = 1
+        self._emit_token(req, token, activate=True)
+
+    def _mode(self, reqs) -> tuple[bool, bool]:
+        """(some row samples, some sampling row is seeded): which captured step to run."""
+        sampled = [r for r in reqs if r.params.temperature != 0]
+        return bool(sampled), any(r.params.seed is not None for r in sampled)
+
+    def _decode(self) -> None:
+        rows = [i for i, r in enumerate(self._rows) if r is not None and r.prefilled == len(r.prompt)]
+        b = next(k for k in self.buckets if k > rows[-1])
+        mode = self._mode([self._rows[i] for i in rows])
+        try:
+            if self.use_graph:
+                self._graph(b, mode).replay()
+            else:
+                self._run_step(b, mode)
+            tokens = self.next_ids[:b, 0].tolist()
+        except Exception as e:  # noqa: BLE001 - the step's rows fail; the engine stays up
+            log.exception("BatchEngine: decode step failed")
+            for i in rows:
+                self._finish(self._rows[i], None, "error", f"{type(e).__name__}: {e}")
+            return
+        with self._lock:
+            self._steps += 1
+        for i in rows:
+            self._emit_token(self._rows[i], tokens[i])
+
+    def _emit_token(self, req: _Request, token: int, activate: bool = False) -> None:
+        req.generated += 1
+        with self._lock:
+            self._tokens += 1
+        reason = "stop" if token in req.stops else "length" if req.generated >= req.params.max_new_tokens else None
+        if reason is not None:
+            self._finish(req, token, reason)
+            return
+        try:
+            req.on_event(TokenEvent(token, None))
+        except Exception:  # noqa: BLE001 - the contract: a raising on_event cancels its own request only
+            log.exception("BatchEngine: on_event of request %d raised; cancelling it", req.id)
+            self._finish(req, None, "cancelled")
+            return
+        if activate:
+            self.active[req.row] = True
+
+    def _finish(self, req: _Request, token: int | None, reason: str, error: str | None = None) -> None:
+        """Free the request's row and send its final event."""
+        if req.row >= 0 and self._rows[req.row] is req:
+            self.active[req.row] = False
+            self._rows[req.row] = None
+            with self._lock:
+                self._held -= 1
+        if req in self._prefilling:
+            self._prefilling.remove(req)
+        req.row = -1
+        self._end_unadmitted(req, reason, token, error)
+
+    def _end_unadmitted(self, req: _Request, reason: str, token: int | None = None, error: str | None = None):
+        with self._lock:
+            self._live.discard(req.id)
+            self._cancels.discard(req.id)
+        try:
+            req.on_event(TokenEvent(token, reason, error))
+        except Exception:  # noqa: BLE001 - the request is over either way
+            log.exception("BatchEngine: on_event of request %d raised on its final event", req.id)
+
+    def _cancel_everything(self) -> None:
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        with torch.no_grad():
+            for req in [r for r in self._rows if r is not None]:
+                self._finish(req, None, "cancelled")
+        for req in waiting:
+            self._end_unadmitted(req, "cancelled")
+
+    # -- the decode step ----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _step_attention(self):
+        before = [c._attn_implementation for c in self._attention_configs]
+        for c in self._attention_configs:
+            c._attn_implementation = DECODE_ATTENTION
+        try:
+            yield
+        finally:
+            for c, name in zip(self._attention_configs, before):
+                c._attn_implementation = name
+
+    def _choose(self, logits: torch.Tensor, rows: slice, mode: tuple[bool, bool], counter: torch.Tensor):
+        """logits [n, V] fp32 of the rows `rows` -> [n] tokens under those rows' settings."""
+        sampled, seeded = mode
+        if not sampled:
+            return logits.argmax(dim=-1)
+        noise = None
+        if seeded:
+            drawn = torch.empty_like(logits).exponential_()
+            own = seeded_exponential(self.seed[rows], counter, logits.shape[-1])
+            noise = torch.where(self.seeded[rows, None], own, drawn)
+        return sample(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
+                      self.greedy[rows], noise)  # fmt: skip
+
+    def _step(self, b: int, mode: tuple[bool, bool]) -> None:
+        """Decode rows [0, b): each decoding row's next_ids at its position -> the next token in next_ids."""
+        active, position = self.active[:b], self.position[:b]
+        call = _DecodeCall(self.cache, b, position, active)
+        logits = self.model(
+            input_ids=self.next_ids[:b], attention_mask=call.masks(), **{self._cache_kw: call}, use_cache=True,
+            position_ids=torch.where(active, position, 0)[:, None], logits_to_keep=1,
+        ).logits  # fmt: skip
+        token = self._choose(logits[:, -1].float(), slice(0, b), mode, self.counter[:b])
+        self.next_ids[:b, 0].copy_(torch.where(active, token, self.next_ids[:b, 0]))
+        step = active.long()
+        self.position[:b].add_(step)
+        self.counter[:b].add_(step)
+
+    def _run_step(self, b: int, mode: tuple[bool, bool]) -> None:
+        with self._step_attention():
+            self._step(b, mode)
+
+    def _graph(self, b: int, mode: tuple[bool, bool]) -> torch.cuda.CUDAGraph:
+        """The captured step of bucket b in `mode`, captured now if new. Warm-up and capture run the step for real
+        with every row switched off, which changes nothing but the scratch slots and the generator."""
+        graph = self._graphs.get((b, mode))
+        if graph is not None:
+            return graph
+        saved = self.active.clone()
+        self.active.zero_()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # lazy kernel loads, cuBLAS workspaces: capture forbids both
+                    self._run_step(b, mode)
+            torch.cuda.current_stream().wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"), self._step_attention():
+                self._step(b, mode)
+        finally:
+            self.active.copy_(saved)
+        self._graphs[(b, mode)] = graph
+        return graph
