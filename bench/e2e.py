@@ -83,7 +83,7 @@ import traceback
 import torch
 
 import g4ops
-from g4ops.models import build_model, load_checkpoint, text_config
+from g4ops.models import build_model, load_checkpoint, load_tokenizer, special_tokens, text_config
 
 VARIANTS = ("stock", "stock-compile", "liger", "g4ops", "g4ops-compile")
 DECODE_VARIANTS = ("stock", "g4ops", "g4ops-graph", "g4ops-graph-compile", "g4ops-graph-sdpa-compile", "stock-graph",
@@ -146,9 +146,7 @@ def prompt_ids(args, batch: int, seed: int) -> torch.Tensor:
     """`--prompt` by the checkpoint's tokenizer (a trained model's real margins), else `--prompt-len` random ids."""
     if not args.prompt:
         return random_ids(args, batch, args.prompt_len, seed)
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(args.model, local_files_only=True)(args.prompt, return_tensors="pt").input_ids
+    ids = load_tokenizer(args.model)(args.prompt, return_tensors="pt").input_ids
     return ids.repeat(batch, 1).to(args.device)
 
 
@@ -283,7 +281,8 @@ def decode_rows(args) -> list[dict]:
                         # Same max_new_tokens in both calls: the static cache (and so the compiled step) has one size.
                         # min_new_tokens keeps random weights from stopping at EOS.
                         kw = dict(
-                            do_sample=False, cache_implementation="static", pad_token_id=0,
+                            do_sample=False, cache_implementation="static",
+                            pad_token_id=special_tokens(model).pad_token_id,
                             attention_mask=torch.ones_like(prompt), max_new_tokens=args.decode_tokens,
                             min_new_tokens=args.decode_tokens,
                         )
@@ -491,7 +490,8 @@ def bench_train(args, results):
 
 @torch.no_grad()
 def greedy(model, prompt, n):
-    out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+    out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         pad_token_id=special_tokens(model).pad_token_id,
                          attention_mask=torch.ones_like(prompt))
     return out[0, prompt.shape[1]:]
 
@@ -516,7 +516,7 @@ def graph_greedy(model, prompt, n):
     from g4ops.decode import GreedyDecoder
 
     decoder = GreedyDecoder(model, batch_size=1, max_length=prompt.shape[1] + n)
-    out = decoder.generate(prompt, n, eos_token_id=model.generation_config.eos_token_id, min_new_tokens=n)
+    out = decoder.generate(prompt, n, eos_token_id=special_tokens(model).eos_token_id, min_new_tokens=n)
     return out[0, prompt.shape[1]:]  # as `greedy`: min_new_tokens = n
 
 
@@ -525,7 +525,7 @@ def graph_report(model, prompt, graph_tokens, stock_tokens, dtype) -> dict:
     often its token is stock's teacher-forced argmax and by how much stock prefers its own top-1 where not."""
     p = prompt.shape[1]
     logits = teacher_forced_logits(model, torch.cat([prompt[0], graph_tokens]).unsqueeze(0))[p - 1:-1]
-    suppress_eos(logits, model.generation_config.eos_token_id)
+    suppress_eos(logits, special_tokens(model).eos_token_id)
     chosen = logits.gather(-1, graph_tokens[:, None]).squeeze(-1)
     diverge = (graph_tokens != stock_tokens).nonzero()
     rep = dict(dtype=dtype, tokens=int(graph_tokens.numel()),
@@ -551,7 +551,7 @@ def bench_parity(args, results):
         ours_tokens = greedy(model, prompt, args.parity_tokens)
         graph_tokens = graph_greedy(model, prompt, args.parity_tokens)
     report["graph_decoder"] = graph_report(model, prompt, graph_tokens, stock_tokens, args.dtype)
-    eos = model.generation_config.eos_token_id
+    eos = special_tokens(model).eos_token_id
     # Noise floor: the same weights in fp32, stock modules. A deep random-weight model can amplify bf16 rounding
     # until any two bf16 implementations disagree; agreement of stock bf16 itself with this truth says how much
     # agreement to expect. In place: bf16 -> fp32 is exact, and the bf16 model is not needed any more.

@@ -49,9 +49,9 @@ def _load(args):
         model = build_model("tiny-e4b", dtype=dtype, device=device)
         prompt = torch.randint(3, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
         return model, prompt.to(device), lambda ids: " ".join(str(i) for i in ids[:16]) + (" ..." if len(ids) > 16 else "")
-    from transformers import AutoTokenizer
+    from .models import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    tokenizer = load_tokenizer(args.model)  # first: a directory without one fails before the weights load
     model = load_checkpoint(args.model, dtype=dtype, device=device)
     prompt = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     return model, prompt, lambda ids: repr(tokenizer.decode(ids, skip_special_tokens=True))
@@ -63,9 +63,12 @@ def _generate(model, prompt, new_tokens: int, compiled: bool):
     from transformers import GenerationConfig
     from transformers.generation import CompileConfig
 
+    from .models import special_tokens
+
+    ids = special_tokens(model)
     config = GenerationConfig(
         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-        pad_token_id=model.config.pad_token_id, eos_token_id=model.config.eos_token_id,
+        pad_token_id=ids.pad_token_id, eos_token_id=list(ids.eos_token_id) or None,
         disable_compile=not compiled,
     )
     if compiled:
@@ -87,14 +90,16 @@ def _decode_graphed(model, prompt, new_tokens: int, compiled: bool):
     """(tokens, first-run seconds incl. capture, steady seconds) of g4ops.decode.GreedyDecoder, with
     min_new_tokens as in `_generate`."""
     from .decode import GreedyDecoder
+    from .models import special_tokens
 
+    ids = special_tokens(model)
     decoder = GreedyDecoder(model, batch_size=prompt.shape[0], max_length=prompt.shape[1] + new_tokens,
                             compile=compiled and prompt.is_cuda)
     times, outs = [], []
     for _ in range(2):
         start = time.perf_counter()
-        out = decoder.generate(prompt, new_tokens, eos_token_id=model.config.eos_token_id,
-                               pad_token_id=model.config.pad_token_id, min_new_tokens=new_tokens)
+        out = decoder.generate(prompt, new_tokens, eos_token_id=list(ids.eos_token_id), pad_token_id=ids.pad_token_id,
+                               min_new_tokens=new_tokens)
         outs.append(out[0, prompt.shape[1]:].tolist())
         times.append(time.perf_counter() - start)
     assert outs[0] == outs[1], "g4ops decoder: greedy decode is not deterministic"

@@ -6,6 +6,9 @@ with Gemma-4's chat format, for the demo and the server when no checkpoint is gi
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -82,12 +85,119 @@ def build_model(shape: str = "tiny-e4b", num_layers: int | None = None, dtype=to
 
 
 def load_checkpoint(path: str, dtype=torch.bfloat16, device="cpu"):
-    """A Gemma-4 causal LM from a local checkpoint directory, in eval mode; never downloads."""
+    """A Gemma-4 model from a local checkpoint directory, in eval mode; never downloads. What
+    `AutoModelForCausalLM` gives: a `Gemma4ForCausalLM` for a text-only checkpoint, a `Gemma4ForConditionalGeneration`
+    (text decoder plus vision and audio towers) for google/gemma-4-E4B-it; read its ids with `special_tokens`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(path), dtype=dtype, local_files_only=True)
     return model.to(device).eval()
 
+
+def checkpoint_dir(path) -> str:
+    """`path` as a string after checking it is a checkpoint directory (one with a config.json)."""
+    from pathlib import Path
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist (or is not a directory)")
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {str(path)!r} has no config.json: not a saved checkpoint")
+    return str(path)
+
+
+# What makes a directory hold a tokenizer: tokenizer.json (fast), tokenizer.model (sentencepiece) or a config naming one.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def load_tokenizer(path):
+    """The tokenizer saved in checkpoint directory `path`; an error naming the directory and the files looked for
+    when it has none (transformers' own message for that case does not say a tokenizer is what is missing)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    checkpoint_dir(path)
+    if not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"model directory {str(path)!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): save one "
+            f"beside the weights with tokenizer.save_pretrained({str(path)!r})")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    pad_token_id: int
+    bos_token_id: int | None
+    eos_token_id: tuple[int, ...]  # generation stops at any of them; may be empty
+
+
+def special_tokens(model) -> SpecialTokens:
+    """pad/bos/eos ids as `generate()` reads them: the model's generation_config first (a checkpoint's
+    generation_config.json: E4B-it stops at several eos ids), then its text config (a `Gemma4Config` keeps them on
+    `text_config`, not on itself), pad falling back to the first eos id. `model`: a model, or a checkpoint directory."""
+    from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+    if isinstance(model, (str, os.PathLike)):
+        path = checkpoint_dir(model)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        has_file = os.path.isfile(os.path.join(path, "generation_config.json"))
+        generation = GenerationConfig.from_pretrained(path, local_files_only=True) if has_file else None
+    elif isinstance(model, PretrainedConfig):
+        config, generation = model, None
+    else:
+        config, generation = model.config, getattr(model, "generation_config", None)
+    text = config.get_text_config(decoder=True)
+
+    def read(name):
+        value = getattr(generation, name, None) if generation is not None else None
+        return getattr(text, name, None) if value is None else value
+
+    eos = read("eos_token_id")
+    eos = () if eos is None else tuple(int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    pad = read("pad_token_id")
+    if pad is None and not eos:
+        raise ValueError(f"{type(config).__name__}: neither pad_token_id nor eos_token_id is set (generation_config "
+                         "or text config), so no id can pad finished rows")
+    bos = read("bos_token_id")
+    return SpecialTokens(pad_token_id=int(eos[0] if pad is None else pad), bos_token_id=None if bos is None else int(bos),
+                         eos_token_id=eos)
+
+
+# Tiny vision and audio towers (sizes as transformers' own Gemma-4 tests use) for a multimodal checkpoint like E4B-it's;
+# the real shapes use the tower configs' defaults. Clipped linears off: their +-inf bounds make saved-vs-loaded
+# comparisons NaN (transformers' test says the same).
+TINY_VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=1, head_dim=8, patch_size=4, pooling_kernel_size=2, position_embedding_size=64)
+TINY_AUDIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, subsampling_conv_channels=[16, 8],
+                  conv_kernel_size=3, attention_chunk_size=4, attention_context_left=5, attention_context_right=0,
+                  output_proj_dims=32, use_clipped_linears=False)
+
+
+def multimodal_config(shape: str = "tiny-e4b", num_layers: int | None = None, **overrides):
+    """A `Gemma4Config` (the class of google/gemma-4-E4B-it): `text_config(shape, num_layers, **overrides)` plus vision
+    and audio towers, tiny ones for the tiny shapes, with the multimodal token ids the tiny tokenizer has."""
+    from transformers import Gemma4Config
+
+    tiny = shape.startswith("tiny")
+    ids = {name: token_id for name, (_, token_id) in TINY_MULTIMODAL_TOKENS.items()} if tiny else {}
+    return Gemma4Config(text_config=text_config(shape, num_layers, **overrides),
+                        vision_config=dict(TINY_VISION) if tiny else {}, audio_config=dict(TINY_AUDIO) if tiny else {},
+                        **ids)
+
+
+def build_multimodal_model(shape: str = "tiny-e4b", num_layers: int | None = None, dtype=torch.float32, device="cpu",
+                           seed: int = 0, attn_implementation: str = "sdpa", **overrides):
+    """A `Gemma4ForConditionalGeneration` with towers and random weights (norms and layer scalars randomised), in eval
+    mode: what `load_checkpoint` returns for a checkpoint like google/gemma-4-E4B-it."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    config = multimodal_config(shape, num_layers, **overrides)
+    config.text_config._attn_implementation = attn_implementation  # the towers keep their own (audio has no sdpa)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Gemma4ForConditionalGeneration(config)
+    randomize_norms_and_scalars(model, torch.Generator().manual_seed(seed + 1))
+    return model.to(dtype).eval()
 
 # Gemma-4's chat format (ai.google.dev "Gemma 4 prompt formatting"): a turn is `<|turn>{role}\n{text}<turn|>\n`,
 # roles system/user/model (OpenAI's "assistant" is "model"), and the generation prompt opens a model turn.
@@ -137,8 +247,11 @@ def tiny_tokenizer(config=None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    config = text_config("tiny-e4b") if config is None else getattr(config, "text_config", config)
-    named = {"<pad>": config.pad_token_id, "<bos>": config.bos_token_id, "<eos>": _first(config.eos_token_id)}
+    config = text_config("tiny-e4b") if config is None else config.get_text_config(decoder=True)
+    ids = special_tokens(config)
+    if ids.bos_token_id is None or not ids.eos_token_id:
+        raise ValueError(f"tiny_tokenizer: the config needs bos_token_id and eos_token_id, got {ids}")
+    named = {"<pad>": ids.pad_token_id, "<bos>": ids.bos_token_id, "<eos>": ids.eos_token_id[0]}
     named.update(TINY_CONTROL_TOKENS)
     named.update(dict(TINY_MULTIMODAL_TOKENS.values()))
     first_byte = config.vocab_size - _BYTES
@@ -153,16 +266,10 @@ def tiny_tokenizer(config=None):
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", config.bos_token_id)])
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", ids.bos_token_id)])
     control = [TURN_START, TURN_END, "<mask>", *dict(TINY_MULTIMODAL_TOKENS.values())]
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
         additional_special_tokens=control, chat_template=CHAT_TEMPLATE, padding_side="left",
     )
 
-
-def _first(token_ids):
-    """The first of an id or a list of ids (a config's eos_token_id may be either), or None."""
-    if isinstance(token_ids, (list, tuple)):
-        return token_ids[0] if token_ids else None
-    return token_ids

@@ -30,28 +30,10 @@ def _cmd_check(args) -> int:
     return 0 if ok else 1
 
 
-def load_hf_checkpoint(path: str, dtype: torch.dtype):
-    """(TextConfig, text state dict) from a local HF checkpoint directory (safetensors), multimodal or text-only."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    from .config import from_hf_config
-    from .loader import text_state_dict
-
-    cfg = from_hf_config(AutoConfig.from_pretrained(path))
-    sd = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        sd.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
-    if not sd:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    return cfg, text_state_dict(sd)
-
-
 def _cmd_compile(args) -> int:
     from .compile import compile_model, require_neuron
     from .config import BuildSettings
+    from .loader import load_hf_checkpoint
 
     require_neuron()
     dtype = getattr(torch, args.dtype)
@@ -67,13 +49,13 @@ def _cmd_compile(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    from transformers import AutoTokenizer
+    from g4ops.models import load_tokenizer
 
     from .compile import CompiledModel
     from .generate import greedy_generate
 
+    tok = load_tokenizer(args.model)  # first: a directory without one fails before the artifact loads
     model = CompiledModel(args.artifact)
-    tok = AutoTokenizer.from_pretrained(args.model)
     messages = [{"role": "user", "content": args.prompt}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids

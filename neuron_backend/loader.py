@@ -8,7 +8,8 @@ the other direction (every parameter and persistent buffer of the rank module is
 The only keys consumed without use are the k/v projections and k_norm of KV-shared layers, which some checkpoints
 carry and transformers itself ignores on load (`_keys_to_ignore_on_load_unexpected`); they are listed in the report.
 Multimodal checkpoints: pass them through `text_state_dict` first, which strips `model.language_model.` and drops
-the vision/audio towers by name.
+the vision/audio towers by name. `load_hf_checkpoint` reads a checkpoint directory of either class
+(Gemma4ForCausalLM, or Gemma4ForConditionalGeneration as google/gemma-4-E4B-it is) that way.
 """
 
 from __future__ import annotations
@@ -201,8 +202,38 @@ def build_rank_model(hf_sd, cfg: TextConfig, settings: BuildSettings, rank: int 
 
 def build_from_hf_model(hf_model, settings: BuildSettings, rank: int = 0, comm=None, kv_mode="buffers"):
     """(rank model, host PLE module, report) straight from an HF Gemma4ForCausalLM (or multimodal) model."""
+    return build_rank_model(
+        text_state_dict(hf_model.state_dict()), _text_config(hf_model.config, hf_model), settings, rank, comm, kv_mode
+    )
+
+
+def load_hf_checkpoint(path, dtype: torch.dtype) -> tuple[TextConfig, dict[str, torch.Tensor]]:
+    """(TextConfig, text state dict in the Gemma4ForCausalLM layout) from a local HF checkpoint directory
+    (safetensors) of either Gemma-4 class; never downloads."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from g4ops.models import checkpoint_dir
+
+    path = checkpoint_dir(path)
+    cfg = _text_config(AutoConfig.from_pretrained(path, local_files_only=True), path)
+    sd = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        sd.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
+    if not sd:
+        raise FileNotFoundError(f"model directory {path!r} has no *.safetensors weights")
+    return cfg, text_state_dict(sd)
+
+
+def _text_config(hf_config, ids_source) -> TextConfig:
+    """`from_hf_config`, with the pad id read as generate() reads it (g4ops.models.special_tokens: the generation
+    config first) from `ids_source`, a model or checkpoint directory."""
+    from dataclasses import replace
+
+    from g4ops.models import special_tokens
+
     from .config import from_hf_config
 
-    return build_rank_model(
-        text_state_dict(hf_model.state_dict()), from_hf_config(hf_model.config), settings, rank, comm, kv_mode
-    )
+    return replace(from_hf_config(hf_config), pad_token_id=special_tokens(ids_source).pad_token_id)
