@@ -44,8 +44,9 @@ from typing import Callable
 
 import torch
 
-from ..decode import DECODE_ATTENTION, _register_decode_attention, _text_attentions
 from ..models import FULL
+from .cache import text_attentions
+from .decoder import DECODE_ATTENTION, K_CAPS, _register_decode_attention
 from .sampler import sample, seeded_exponential
 
 __all__ = ["BatchEngine", "EngineStats", "QueueFull", "SamplingParams", "SlotKVCache", "TokenEvent"]
@@ -136,7 +137,7 @@ class SlotKVCache:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.full: dict[int, bool] = {}  # layer -> slot = position (else the ring)
-        for attn in _text_attentions(model):
+        for attn in text_attentions(model):
             if attn.is_kv_shared_layer:
                 continue
             i = attn.layer_idx
@@ -302,12 +303,12 @@ class BatchEngine:
         self.seed = torch.zeros(rows, dtype=torch.long, device=dev)
         self.seeded = torch.zeros(rows, dtype=torch.bool, device=dev)
         self.buckets = _buckets(max_batch)
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (bucket, mode) -> captured step
         self._pool = None  # one memory pool for every captured step (they never run at the same time)
 
         self._attention_configs = []  # the text configs the step switches to decode_attention
         _register_decode_attention()
-        for attn in _text_attentions(model):
+        for attn in text_attentions(model):
             config_ = getattr(attn, "config", None)
             if config_ is not None and all(config_ is not c for c in self._attention_configs):
                 self._attention_configs.append(config_)
@@ -472,10 +473,14 @@ class BatchEngine:
         self.counter[r] = 1
         self._emit_token(req, token, activate=True)
 
-    def _mode(self, reqs) -> tuple[bool, bool]:
-        """(some row samples, some sampling row is seeded): which captured step to run."""
+    def _mode(self, reqs) -> tuple:
+        """Which captured step runs: (some row samples, some sampling row is seeded, k_cap). k_cap: the smallest of
+        K_CAPS bounding every sampling row's top_k (top-k's threshold from a topk, not a sort of the vocabulary)."""
         sampled = [r for r in reqs if r.params.temperature != 0]
-        return bool(sampled), any(r.params.seed is not None for r in sampled)
+        if not sampled:
+            return False, False, None
+        k_cap = next((c for c in K_CAPS if all(0 < r.params.top_k <= c for r in sampled)), None)
+        return True, any(r.params.seed is not None for r in sampled), k_cap
 
     def _decode(self) -> None:
         rows = [i for i, r in enumerate(self._rows) if r is not None and r.prefilled == len(r.prompt)]
@@ -556,9 +561,9 @@ class BatchEngine:
             for c, name in zip(self._attention_configs, before):
                 c._attn_implementation = name
 
-    def _choose(self, logits: torch.Tensor, rows: slice, mode: tuple[bool, bool], counter: torch.Tensor):
+    def _choose(self, logits: torch.Tensor, rows: slice, mode: tuple, counter: torch.Tensor):
         """logits [n, V] fp32 of the rows `rows` -> [n] tokens under those rows' settings."""
-        sampled, seeded = mode
+        sampled, seeded, k_cap = mode
         if not sampled:
             return logits.argmax(dim=-1)
         noise = None
@@ -567,9 +572,9 @@ class BatchEngine:
             own = seeded_exponential(self.seed[rows], counter, logits.shape[-1])
             noise = torch.where(self.seeded[rows, None], own, drawn)
         return sample(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
-                      self.greedy[rows], noise)  # fmt: skip
+                      self.greedy[rows], noise, k_cap=k_cap)  # fmt: skip
 
-    def _step(self, b: int, mode: tuple[bool, bool]) -> None:
+    def _step(self, b: int, mode: tuple) -> None:
         """Decode rows [0, b): each decoding row's next_ids at its position -> the next token in next_ids."""
         active, position = self.active[:b], self.position[:b]
         call = _DecodeCall(self.cache, b, position, active)
@@ -583,11 +588,11 @@ class BatchEngine:
         self.position[:b].add_(step)
         self.counter[:b].add_(step)
 
-    def _run_step(self, b: int, mode: tuple[bool, bool]) -> None:
+    def _run_step(self, b: int, mode: tuple) -> None:
         with self._step_attention():
             self._step(b, mode)
 
-    def _graph(self, b: int, mode: tuple[bool, bool]) -> torch.cuda.CUDAGraph:
+    def _graph(self, b: int, mode: tuple) -> torch.cuda.CUDAGraph:
         """The captured step of bucket b in `mode`, captured now if new. Warm-up and capture run the step for real
         with every row switched off, which changes nothing but the scratch slots and the generator."""
         graph = self._graphs.get((b, mode))
