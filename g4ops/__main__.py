@@ -1,9 +1,11 @@
-"""`python -m g4ops {demo,build,doctor}`.
+"""`python -m g4ops {demo,build,doctor,serve}`.
 
 demo    stock vs g4ops, eager and torch.compile'd, greedy decode side by side with a parity verdict and timings; a
         tiny built-in Gemma-4 by default (random weights, built in code), or `--model PATH` for a local checkpoint.
 build   prebuild the CUDA kernels into the cache (what the first CUDA call would otherwise do).
 doctor  versions, GPU, toolkit, and whether the kernels build and the transformers integration probe passes.
+serve   an OpenAI-compatible HTTP server (chat/completions, SSE streaming, /metrics) over the batching engine; the
+        tiny built-in Gemma-4 by default, or `--model PATH`. Needs the `serve` extra.
 """
 
 from __future__ import annotations
@@ -202,6 +204,12 @@ def doctor(args) -> int:
     return code
 
 
+def serve(args) -> int:
+    from .serve import cli
+
+    return cli.run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m g4ops", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -220,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("doctor", help="report versions and kernel status")
     p.add_argument("--no-build", action="store_true", help="do not try to build the kernels")
     p.set_defaults(func=doctor)
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the batching engine")
+    from .serve.cli import add_arguments  # argparse only: the server's packages load when it runs
+
+    add_arguments(p)
+    p.set_defaults(func=serve)
     args = parser.parse_args(argv)
     return args.func(args)
 

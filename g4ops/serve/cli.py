@@ -1,0 +1,82 @@
+"""`python -m g4ops serve`: load the model, start the engine, run uvicorn until SIGINT/SIGTERM.
+
+On SIGTERM uvicorn stops accepting connections, gives requests in flight `--graceful-timeout` seconds to finish,
+cancels the rest (each stream's cancellation takes its request out of the engine), then leaves the app's lifespan,
+which shuts the engine down."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TINY = "tiny-e4b"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="local checkpoint directory (default: the tiny built-in Gemma-4, random "
+                                        "weights, byte-level tokenizer)")  # fmt: skip
+    parser.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-batch", type=int, default=16, help="requests decoding at once (KV cache rows)")
+    parser.add_argument("--max-context", type=int, default=2048, help="prompt + completion tokens per request")
+    parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before answering 429")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--graceful-timeout", type=float, default=10.0,
+                        help="seconds requests in flight may run on after SIGTERM before they are cancelled")
+    parser.add_argument("--log-level", default="info")
+
+
+def load(args):
+    """(model, tokenizer, served name) from the arguments; never downloads."""
+    from ..models import build_model, load_checkpoint, load_tokenizer, tiny_tokenizer
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[args.dtype or ("bf16" if device.startswith("cuda") else "fp32")]
+    if args.model is None:
+        model, tokenizer = build_model(TINY, dtype=dtype, device=device), tiny_tokenizer()
+        return model, tokenizer, args.served_model_name or TINY
+    model = load_checkpoint(args.model, dtype=dtype, device=device)
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    return model, load_tokenizer(args.model), name
+
+
+def defaults_for(model):
+    """The model's generation config as request defaults, its eos ids (`models.special_tokens`) the stop tokens."""
+    from ..models import special_tokens
+    from .params import GenerationDefaults
+
+    return GenerationDefaults.from_generation_config(getattr(model, "generation_config", None),
+                                                     special_tokens(model).eos_token_id)
+
+
+def run(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ImportError as exc:
+        print(f"g4ops serve needs the serve extra (pip install 'g4ops[serve]'): {exc}", file=sys.stderr)
+        return 1
+
+    from ..engine.batch import BatchEngine
+    from .app import create_app
+
+    model, tokenizer, name = load(args)
+    engine = BatchEngine(model, max_batch=args.max_batch, max_context=args.max_context, max_waiting=args.max_waiting)
+    engine.start()
+    app = create_app(engine, tokenizer, name, defaults_for(model))
+    print(f"g4ops serve: {name} on {next(model.parameters()).device} in {next(model.parameters()).dtype}, "
+          f"max_batch {args.max_batch}, max_context {args.max_context}: http://{args.host}:{args.port}/v1", flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.graceful_timeout)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        engine.shutdown(args.graceful_timeout)  # a no-op after the lifespan's; needed when startup failed
+    return 0
