@@ -168,3 +168,18 @@ def test_adamw_bench_smoke(tmp_path):
     assert all(0 < r["ms"] < float("inf") for r in rows.values()), rows  # finite: NaN fails both comparisons
     assert res["check"]["passed"] is True and rows["g4ops"]["check_passed"] is True, res["check"]
     assert res["check"]["param"]["max_ulp"] <= 1 and res["model"]["parameters"] > 0
+
+
+def test_serve_smoke(tmp_path):
+    """bench/serve.py launches `python -m g4ops serve` (tiny model, CPU), loads it at two concurrencies, checks
+    every request's token count against the server's counter and stops it with SIGTERM."""
+    out = tmp_path / "serve.json"
+    _run(["bench/serve.py", "--concurrency", "1,2", "--prompt-tokens", "12", "--output-tokens", "4", "--rounds", "1",
+          "--out", str(out)], tmp_path)  # fmt: skip
+    res = json.loads(out.read_text())
+    assert [row["concurrency"] for row in res["levels"]] == [1, 2] and res["server"]["launched"] is True
+    for row in res["levels"]:
+        assert "error" not in row, row
+        assert row["requests"] == row["concurrency"] and row["output_tok_s"] > 0
+        assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"] and row["tpot_ms"]["n"] == row["requests"]
+    assert res["server_exit_code"] in (0, -15)  # SIGTERM: uvicorn stops cleanly, then re-raises the signal
