@@ -105,7 +105,7 @@ def checkpoint_dir(path) -> str:
     return str(path)
 
 
-# What makes a directory hold a tokenizer: tokenizer.json (fast), tokenizer.model (sentencepiece) or a config naming one.
+# A directory holds a tokenizer if it has tokenizer.json (fast), tokenizer.model (sentencepiece) or a config naming one.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -159,13 +159,13 @@ def special_tokens(model) -> SpecialTokens:
         raise ValueError(f"{type(config).__name__}: neither pad_token_id nor eos_token_id is set (generation_config "
                          "or text config), so no id can pad finished rows")
     bos = read("bos_token_id")
-    return SpecialTokens(pad_token_id=int(eos[0] if pad is None else pad), bos_token_id=None if bos is None else int(bos),
-                         eos_token_id=eos)
+    return SpecialTokens(pad_token_id=int(eos[0] if pad is None else pad),
+                         bos_token_id=None if bos is None else int(bos), eos_token_id=eos)
 
 
-# Tiny vision and audio towers (sizes as transformers' own Gemma-4 tests use) for a multimodal checkpoint like E4B-it's;
-# the real shapes use the tower configs' defaults. Clipped linears off: their +-inf bounds make saved-vs-loaded
-# comparisons NaN (transformers' test says the same).
+# Tiny vision and audio towers (sizes near those of transformers' own Gemma-4 tests) for a multimodal checkpoint like
+# E4B-it's; the real shapes use the tower configs' defaults. Clipped linears off: their +-inf bounds make
+# saved-vs-loaded comparisons NaN (transformers' test says the same).
 TINY_VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=1, head_dim=8, patch_size=4, pooling_kernel_size=2, position_embedding_size=64)
 TINY_AUDIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, subsampling_conv_channels=[16, 8],
@@ -199,6 +199,7 @@ def build_multimodal_model(shape: str = "tiny-e4b", num_layers: int | None = Non
     randomize_norms_and_scalars(model, torch.Generator().manual_seed(seed + 1))
     return model.to(dtype).eval()
 
+
 # Gemma-4's chat format (ai.google.dev "Gemma 4 prompt formatting"): a turn is `<|turn>{role}\n{text}<turn|>\n`,
 # roles system/user/model (OpenAI's "assistant" is "model"), and the generation prompt opens a model turn.
 TURN_START, TURN_END = "<|turn>", "<turn|>"
@@ -227,7 +228,7 @@ _BYTES = 256
 
 
 def _byte_chars() -> list[str]:
-    """The printable character GPT-2's byte-level scheme (the `tokenizers` ByteLevel pre-tokenizer) maps each byte to."""
+    """The printable character that GPT-2's byte-level scheme (`tokenizers`' ByteLevel) maps each byte to."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
     chars, extra = {}, 0
     for b in range(_BYTES):

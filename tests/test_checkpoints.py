@@ -23,7 +23,8 @@ def test_tiny_tokenizer_covers_the_tiny_vocab_and_round_trips():
 def test_tiny_tokenizer_chat_template_is_gemma4s():
     tok = models.tiny_tokenizer()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
-                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": [{"type": "text", "text": "Again"}]}]
+                {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": [{"type": "text", "text": "Again"}]}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == ("<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\nHello<turn|>\n"
                     "<|turn>user\nAgain<turn|>\n<|turn>model\n")
@@ -100,7 +101,8 @@ def test_load_checkpoint_gives_the_saved_class_and_weights(checkpoints, cls):
     path, saved = checkpoints[0][cls]
     loaded = models.load_checkpoint(path, dtype=torch.float32)
     assert type(loaded).__name__ == cls
-    ids = torch.randint(3, saved.config.get_text_config().vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    vocab = saved.config.get_text_config().vocab_size
+    ids = torch.randint(3, vocab, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, saved(ids).logits)
 
