@@ -11,10 +11,11 @@ that fails the check reports an error instead of numbers. Then reported, measure
 the server may merge tokens that arrive together into one chunk), TPOT ((end - first text) / (tokens - 1) per
 request), end-to-end latency; p50 and p99 of each.
 
-By default it launches the server itself (`python -m g4ops serve` with `--model`, sized to the largest level) on a
-free loopback port and stops it with SIGTERM at the end; `--url` uses one already running instead.
+By default it launches the server itself (`python -m g4ops serve` with `--model` or `--shape`, sized to the largest
+level) on a free loopback port and stops it with SIGTERM at the end; `--url` uses one already running instead.
 
-    python bench/serve.py --model /path/to/gemma-4-E4B-it --out $OUT/serve.json        # H200: a few minutes
+    python bench/serve.py --shape e4b --out $OUT/serve.json        # H200: E4B's decoder, random bf16 weights
+    python bench/serve.py --model /path/to/gemma-4-E4B-it --out $OUT/serve.json
     python bench/serve.py --concurrency 1,2 --prompt-tokens 16 --output-tokens 8 --rounds 1 --out /tmp/s.json  # CPU
 """
 
@@ -151,7 +152,7 @@ def launch(args, max_batch: int, max_context: int):
            "--max-waiting", str(max(256, 2 * max_batch)), "--log-level", "warning"]
     if args.model:
         cmd += ["--model", args.model]
-    for flag in ("device", "dtype"):
+    for flag in ("shape", "device", "dtype"):
         if getattr(args, flag):
             cmd += [f"--{flag}", getattr(args, flag)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -186,7 +187,8 @@ def stop(proc, timeout: float) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="a running server (default: launch one)")
-    ap.add_argument("--model", help="checkpoint directory for the launched server (default: the tiny built-in)")
+    ap.add_argument("--model", help="checkpoint directory for the launched server (default: built-in --shape)")
+    ap.add_argument("--shape", help="for the launched server without --model: random weights of this shape (e4b)")
     ap.add_argument("--device", help="for the launched server")
     ap.add_argument("--dtype", help="for the launched server")
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")

@@ -12,6 +12,7 @@ import contextlib
 import json
 import socket
 import threading
+import argparse
 import time
 
 import openai
@@ -26,7 +27,7 @@ from g4ops.serve import GenerationDefaults, create_app
 from g4ops.serve.cli import defaults_for
 from g4ops.serve.params import sampling_params
 from g4ops.serve.protocol import ChatCompletionRequest
-from g4ops.serve.text import Detokenizer, StopMatcher
+from g4ops.serve.text import Detokenizer, StopMatcher, fast_decode
 
 try:  # the HTTP client the installed openai uses (httpx2 since openai 3)
     import httpx2 as httpx
@@ -363,9 +364,13 @@ def test_shutdown_cancels_requests_in_flight(model, tokenizer):
 
 
 # -- pieces ----------------------------------------------------------------------------------------------------------
-def test_detokenizer_pieces_join_to_the_whole_decode(tokenizer):
+@pytest.mark.parametrize("backend", [True, False], ids=["rust-decode", "transformers-decode"])
+def test_detokenizer_pieces_join_to_the_whole_decode(tokenizer, backend, monkeypatch):
     """Random ids (bytes that are not valid UTF-8, control and special tokens included) come out piece by piece as
-    the one-shot decode of the whole sequence."""
+    the one-shot decode of the whole sequence, on the Rust backend's decode and on transformers' own."""
+    if not backend:
+        monkeypatch.setattr(type(tokenizer), "backend_tokenizer", None, raising=False)
+    assert (fast_decode(tokenizer) != tokenizer.decode) == backend
     rng = torch.Generator().manual_seed(0)
     for trial in range(200):
         ids = torch.randint(0, len(tokenizer), (int(torch.randint(1, 40, (1,), generator=rng)),), generator=rng)
@@ -407,3 +412,26 @@ def test_generation_defaults_follow_transformers():
     assert params(greedy, max_tokens=5, max_completion_tokens=7).max_new_tokens == 7
     assert params(greedy, ignore_eos=True).stop_token_ids == () and params(greedy).stop_token_ids == (1, 7)
     assert json.loads(ChatCompletionRequest(model=NAME, messages=_messages()).model_dump_json())["n"] == 1
+
+
+def test_cli_loads_a_local_checkpoint(tmp_path, tokenizer):
+    """--model DIR: weights, tokenizer and generation_config.json from the directory (never downloading); the
+    generation config becomes the request defaults."""
+    from transformers import GenerationConfig
+
+    from g4ops.serve import cli
+
+    saved = build_model("tiny-e4b", num_layers=3)
+    saved.generation_config = GenerationConfig(do_sample=True, temperature=0.8, top_k=5, top_p=0.9, eos_token_id=[1, 106])
+    saved.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    args = argparse.ArgumentParser()
+    cli.add_arguments(args)
+    model, loaded, name = cli.load(args.parse_args(["--model", str(tmp_path / "ckpt"), "--device", "cpu"]))
+    assert name == "ckpt" and next(model.parameters()).dtype == torch.float32  # fp32 on CPU
+    assert loaded.apply_chat_template(_messages(), add_generation_prompt=True, tokenize=False) == \
+        tokenizer.apply_chat_template(_messages(), add_generation_prompt=True, tokenize=False)
+    assert defaults_for(model) == GenerationDefaults(greedy=False, temperature=0.8, top_k=5, top_p=0.9,
+                                                     stop_token_ids=(1, 106))
+    ids = torch.tensor([[2, 300, 301, 302]])
+    torch.testing.assert_close(model(ids).logits, saved(ids).logits, rtol=0, atol=0)

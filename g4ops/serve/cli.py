@@ -12,13 +12,17 @@ import sys
 
 import torch
 
+from ..models import SHAPES
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TINY = "tiny-e4b"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="local checkpoint directory (default: the tiny built-in Gemma-4, random "
-                                        "weights, byte-level tokenizer)")  # fmt: skip
+    parser.add_argument("--model", help="local checkpoint directory (default: a built-in Gemma-4 of --shape)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=TINY,
+                        help="without --model: random weights of this shape built in code, with a byte-level "
+                             "tokenizer over its vocabulary (e4b: E4B's text decoder, for benchmarks)")
     parser.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -39,8 +43,8 @@ def load(args):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype or ("bf16" if device.startswith("cuda") else "fp32")]
     if args.model is None:
-        model, tokenizer = build_model(TINY, dtype=dtype, device=device), tiny_tokenizer()
-        return model, tokenizer, args.served_model_name or TINY
+        model = build_model(args.shape, dtype=dtype, device=device)
+        return model, tiny_tokenizer(model.config), args.served_model_name or args.shape
     model = load_checkpoint(args.model, dtype=dtype, device=device)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     return model, load_tokenizer(args.model), name

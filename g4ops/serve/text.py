@@ -14,9 +14,18 @@ from __future__ import annotations
 _REPLACEMENT = "\ufffd"
 
 
+def fast_decode(tokenizer):
+    """`tokenizer.decode`, or the same call on its Rust backend when that is all transformers would do (a fast
+    tokenizer without clean-up of spaces, as Gemma's): 10x less Python per token on the server's event loop."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode
+    return tokenizer.decode
+
+
 class Detokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self._decode = tokenizer.decode
+        self._decode = fast_decode(tokenizer)
         self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0  # window start: ids before it are emitted and no longer affect new text
