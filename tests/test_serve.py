@@ -314,6 +314,21 @@ def test_client_disconnect_frees_the_slot(server):
     assert _metrics(base)[("g4ops:request_success_total", (("finished_reason", "abort"),))] == aborted + 2
 
 
+def test_client_disconnect_while_queued_cancels_the_request(model, tokenizer):
+    """A streaming client that leaves before its request got a KV slot: the request is cancelled, never run."""
+    engine = BatchEngine(model, max_batch=1, max_context=64)
+    with serving(engine, tokenizer, model, start=False) as (base, *_):
+        body = {"model": NAME, "prompt": "queued", "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body) as reply:
+            assert reply.status_code == 200
+            _wait(lambda: engine.stats().waiting == 1, "the request to be queued")
+        _wait(lambda: _metrics(base)[("g4ops:request_success_total", (("finished_reason", "abort"),))] == 1,
+              "the server to see the disconnect")
+        engine.start()
+        _wait(lambda: engine.stats().waiting == 0, "the engine to drop the cancelled request")
+        assert engine.stats().generated_tokens == 0
+
+
 def test_metrics_count_what_was_served(model, tokenizer):
     engine = BatchEngine(model, max_batch=4, max_context=CONTEXT)
     with serving(engine, tokenizer, model) as (base, *_):
@@ -363,6 +378,28 @@ def test_shutdown_cancels_requests_in_flight(model, tokenizer):
                                               GenerationDefaults(), 2, CONTEXT), lambda event: None)  # fmt: skip
 
 
+def test_engine_ending_a_stream_sends_an_error_event(model, tokenizer):
+    """When the engine ends a request itself (its shutdown), the stream closes with an OpenAI error event and
+    [DONE], which the official client raises; later requests get 503, and so does /health."""
+    engine = BatchEngine(model, max_batch=2, max_context=CONTEXT)
+    with serving(engine, tokenizer, model) as (base, *_):
+        client = _client(base)
+        stream = client.completions.create(model=NAME, prompt="x", max_tokens=CONTEXT - 16, stream=True,
+                                           extra_body=NO_EOS)
+        chunks = iter(stream)
+        next(chunks)
+        engine.shutdown()
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in chunks:
+                pass
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=NAME, prompt="x", max_tokens=2)
+        assert info.value.status_code == 503
+        assert httpx.get(f"{base}/health").status_code == 503
+        m = _metrics(base)
+        assert m[("g4ops:request_success_total", (("finished_reason", "error"),))] == 1
+
+
 # -- pieces ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", [True, False], ids=["rust-decode", "transformers-decode"])
 def test_detokenizer_pieces_join_to_the_whole_decode(tokenizer, backend, monkeypatch):
@@ -397,7 +434,8 @@ def test_generation_defaults_follow_transformers():
 
     sampled = GenerationDefaults.from_generation_config(GenerationConfig(
         do_sample=True, temperature=1.0, top_k=64, top_p=0.95, eos_token_id=[1, 106, 50]))  # E4B-it's
-    assert sampled == GenerationDefaults(greedy=False, temperature=1.0, top_k=64, top_p=0.95, stop_token_ids=(1, 106, 50))
+    assert sampled == GenerationDefaults(greedy=False, temperature=1.0, top_k=64, top_p=0.95,
+                                         stop_token_ids=(1, 106, 50))
     greedy = GenerationDefaults.from_generation_config(GenerationConfig(eos_token_id=1), stop_token_ids=(1, 7))
     assert greedy.greedy and greedy.stop_token_ids == (1, 7)
 
@@ -422,7 +460,8 @@ def test_cli_loads_a_local_checkpoint(tmp_path, tokenizer):
     from g4ops.serve import cli
 
     saved = build_model("tiny-e4b", num_layers=3)
-    saved.generation_config = GenerationConfig(do_sample=True, temperature=0.8, top_k=5, top_p=0.9, eos_token_id=[1, 106])
+    saved.generation_config = GenerationConfig(do_sample=True, temperature=0.8, top_k=5, top_p=0.9,
+                                               eos_token_id=[1, 106])
     saved.save_pretrained(tmp_path / "ckpt")
     tokenizer.save_pretrained(tmp_path / "ckpt")
     args = argparse.ArgumentParser()

@@ -61,6 +61,7 @@ class _Generation:
         self._detok = Detokenizer(server.tokenizer)
         self._stops = StopMatcher(stops)
         self._last: float | None = None
+        self._closed = False
         self.id = server.engine.submit(prompt_ids, params, self._on_event)  # ValueError, QueueFull
         server.metrics.prompt_tokens.inc(len(prompt_ids))
 
@@ -116,10 +117,18 @@ class _Generation:
             outcome = "error"
             raise
         finally:
-            if outcome == "abort":
-                self.server.engine.cancel(self.id)
-            self.server.metrics.finished[outcome].inc()
-            self.server.metrics.e2e.observe(time.perf_counter() - self.arrival)
+            self.close(outcome)
+
+    def close(self, outcome: str = "abort") -> None:
+        """Record how the request ended, taking it out of the engine unless it finished there (idempotent). Also
+        called when a response ends without ever iterating `deltas()` (a client gone before the first chunk)."""
+        if self._closed:
+            return
+        self._closed = True
+        if outcome == "abort":
+            self.server.engine.cancel(self.id)
+        self.server.metrics.finished[outcome].inc()
+        self.server.metrics.e2e.observe(time.perf_counter() - self.arrival)
 
     async def text(self) -> str:
         return "".join([piece async for piece in self.deltas()])
@@ -129,6 +138,21 @@ async def _until_disconnect(request: Request) -> None:
     """Returns when the client has gone (the body is already read, so the next message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+class _EngineStream(StreamingResponse):
+    """A streaming response that closes its generation however the response ends, even before the body started
+    (a generator that never ran has no `finally` to run)."""
+
+    def __init__(self, body: AsyncIterator[str], generation: _Generation):
+        super().__init__(body, media_type="text/event-stream")
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
 
 
 def _sse(obj: BaseModel) -> str:
@@ -144,7 +168,7 @@ class _Server:
         self.engine, self.tokenizer, self.model_name, self.defaults = engine, tokenizer, model_name, defaults
         self.vocab = len(tokenizer)
         self.metrics = ServerMetrics(engine, model_name)
-        self.stopping = False
+        self.stopping = False  # the lifespan is ending, or the engine refused a request as shut down
 
     # -- requests to token ids (worker threads) --
     def chat_ids(self, req: p.ChatCompletionRequest) -> list[int]:
@@ -178,6 +202,7 @@ class _Server:
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         except RuntimeError as exc:  # submit after shutdown
+            self.stopping = True
             raise APIError(503, f"the server is shutting down ({exc})", type_="server_error") from exc
 
     async def answer(self, request: Request, generation: _Generation) -> str | None:
@@ -190,7 +215,8 @@ class _Server:
         finally:
             gone.cancel()
             if not collect.done():
-                collect.cancel()  # closes deltas(), which cancels the engine request
+                collect.cancel()
+                generation.close()  # now, not when the cancelled task next runs
         if collect.cancelled():
             return None
         try:
@@ -201,7 +227,8 @@ class _Server:
     # -- streams --
     async def chat_stream(self, req: p.ChatCompletionRequest, gen: _Generation) -> AsyncIterator[str]:
         head = dict(id=p.new_id("chat"), created=int(time.time()), model=self.model_name)
-        yield _sse(p.ChatCompletionChunk(**head, choices=[p.ChatChunkChoice(delta=p.Delta(role="assistant", content=""))]))
+        opening = p.ChatChunkChoice(delta=p.Delta(role="assistant", content=""))
+        yield _sse(p.ChatCompletionChunk(**head, choices=[opening]))
         try:
             async for piece in gen.deltas():
                 yield _sse(p.ChatCompletionChunk(**head, choices=[p.ChatChunkChoice(delta=p.Delta(content=piece))]))
@@ -238,7 +265,8 @@ def create_app(engine, tokenizer, model_name: str, generation_defaults: Generati
     """The server over a started `engine`. `tokenizer`: a transformers tokenizer with a chat template.
     `generation_defaults`: sampling for unset request fields (default: transformers' defaults, no stop tokens).
     Leaving the app's lifespan shuts the engine down (waiting up to `shutdown_timeout` s for its thread)."""
-    server = _Server(engine, tokenizer, model_name, generation_defaults or GenerationDefaults.from_generation_config(None))
+    defaults = generation_defaults or GenerationDefaults.from_generation_config(None)
+    server = _Server(engine, tokenizer, model_name, defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -260,7 +288,7 @@ def create_app(engine, tokenizer, model_name: str, generation_defaults: Generati
         prompt_ids = await asyncio.to_thread(server.chat_ids, req)
         gen = server.start(req, prompt_ids, arrival)
         if req.stream:
-            return StreamingResponse(server.chat_stream(req, gen), media_type="text/event-stream")
+            return _EngineStream(server.chat_stream(req, gen), gen)
         text = await server.answer(request, gen)
         if text is None:
             return Response(status_code=_CLIENT_GONE)
@@ -275,7 +303,7 @@ def create_app(engine, tokenizer, model_name: str, generation_defaults: Generati
         prompt_ids = await asyncio.to_thread(server.completion_ids, req)
         gen = server.start(req, prompt_ids, arrival)
         if req.stream:
-            return StreamingResponse(server.completion_stream(req, gen), media_type="text/event-stream")
+            return _EngineStream(server.completion_stream(req, gen), gen)
         text = await server.answer(request, gen)
         if text is None:
             return Response(status_code=_CLIENT_GONE)

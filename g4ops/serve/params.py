@@ -75,8 +75,9 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, defaults
     asked = request.requested_tokens()
     new_tokens = max_context - prompt_len if asked is None else asked
     if prompt_len + new_tokens > max_context:
-        raise PromptTooLong(f"this model's context is {max_context} tokens; the request asks for {prompt_len + new_tokens}"
-                            f" ({prompt_len} in the prompt, {new_tokens} to generate)", tokens_field)  # fmt: skip
+        raise PromptTooLong(f"this model's context is {max_context} tokens; the request asks for "
+                            f"{prompt_len + new_tokens} ({prompt_len} in the prompt, {new_tokens} to generate)",
+                            tokens_field)  # fmt: skip
     if request.temperature is not None:
         temperature = request.temperature
     else:
