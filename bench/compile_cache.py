@@ -12,7 +12,7 @@ Paths (`--paths`):
             attention=True)`, the finetune setup of bench/e2e.py)
   generate  `model.generate(..., cache_implementation="static")` of `--new-tokens` greedy tokens (transformers
             compiles the decode step; g4ops: `enable(decode=False)`, so the call stays on that path)
-  decoder   `g4ops.decode.GreedyDecoder(model, compile=True)` (g4ops only; its CUDA graph is captured after compile)
+  decoder   `g4ops.engine.decoder.Decoder(model, compile=True)` (g4ops only; its CUDA graph is captured after compile)
 
 Seconds run from the model's construction to the end of the work (compilation included), not from process start.
 Why two hash seeds: stock transformers builds its rotary tables in set order, so about half of all new processes
@@ -78,7 +78,7 @@ def child(args) -> None:
                                     do_sample=False, cache_implementation="static", compile_config=config,
                                     pad_token_id=0)  # fmt: skip
         else:
-            from g4ops.decode import GreedyDecoder
+            from g4ops.engine.decoder import GreedyDecoder
 
             if not g4ops_on:
                 raise SystemExit("the decoder path is g4ops' own: run it with --variant g4ops")

@@ -8,7 +8,7 @@ Parts (`--parts`, comma-separated; default all):
   decode  Greedy decode at each `--batches` size. Variants:
           stock                 `model.generate(..., cache_implementation="static")`; transformers compiles the
                                 static-cache decode step by itself on CUDA
-          g4ops                 the same call with g4ops enabled, which routes it to g4ops.decode.GreedyDecoder on
+          g4ops                 the same call with g4ops enabled, which routes it to g4ops.engine.decoder.Decoder on
                                 CUDA (the row says whether it did)
           g4ops-graph[-compile] GreedyDecoder called directly, g4ops enabled (the whole step in one CUDA graph;
                                 -compile compiles the step before capturing it)
@@ -324,7 +324,7 @@ def decode_rows(args) -> list[dict]:
 
 def decode_graphed(args, model, prompt, compile_step: bool, decode_attention: bool = True) -> dict:
     """g4ops' CUDA-graphed greedy decoder: build + capture (timed as the warm-up), then the timed generate."""
-    from g4ops.decode import GreedyDecoder
+    from g4ops.engine.decoder import GreedyDecoder
 
     batch, n = prompt.shape
     t = time.perf_counter()
@@ -513,7 +513,7 @@ def suppress_eos(logits: torch.Tensor, eos) -> None:
 
 @torch.no_grad()
 def graph_greedy(model, prompt, n):
-    from g4ops.decode import GreedyDecoder
+    from g4ops.engine.decoder import GreedyDecoder
 
     decoder = GreedyDecoder(model, batch_size=1, max_length=prompt.shape[1] + n)
     out = decoder.generate(prompt, n, eos_token_id=special_tokens(model).eos_token_id, min_new_tokens=n)

@@ -7,7 +7,7 @@ Variants (each on a fresh E4B-shaped model with random bf16 weights, after `torc
   stock   transformers as installed (it compiles the decode step by itself on CUDA)
   g4ops   `g4ops.enable(decode=False)`: g4ops' ops inside stock generate, which compiles them (the path every call
           the decoder does not take goes: sampling, beams, streamers)
-  routed  `g4ops.enable()`: the call goes to g4ops.decode.GreedyDecoder
+  routed  `g4ops.enable()`: the call goes to g4ops.engine.decoder.Decoder
 Each variant runs `--calls` identical calls; the first includes compilation. Prints one line per call: seconds,
 whether the call was routed, and whether transformers built its compiled forward.
 """

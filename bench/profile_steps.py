@@ -4,7 +4,7 @@ Prints, per case: wall time per step, GPU busy time per step (sum of kernel time
 the top kernels by total time. Wall >> GPU busy means the host (Python, launches, syncs) is the bottleneck.
 
     python bench/profile_steps.py --layers 12 --parts decode,train --json $OUT/profile.json
-    python bench/profile_steps.py --layers 12 --parts graph --batches 1,4   # g4ops.decode.GreedyDecoder's step
+    python bench/profile_steps.py --layers 12 --parts graph --batches 1,4   # g4ops.engine.decoder.Decoder's step
 
 `graph`: the compiled step of the CUDA-graphed decoder. Its wall time per token is measured on graph replays
 (`generate`, no profiler); the kernel table comes from the same compiled step run without the graph, so it lists
@@ -61,7 +61,7 @@ def decode_case(model, batch: int, new_tokens: int):
 
 
 def graph_decode_case(model, batch: int, new_tokens: int, top: int) -> dict:
-    from g4ops.decode import GreedyDecoder
+    from g4ops.engine.decoder import GreedyDecoder
 
     prompt = torch.randint(3, model.config.vocab_size, (batch, 16), device="cuda")
     decoder = GreedyDecoder(model, batch_size=batch, max_length=16 + new_tokens, compile=True)

@@ -1,0 +1,409 @@
+"""Decoding with the whole step in one CUDA graph: `Decoder(model).generate(input_ids, n, do_sample=...)`.
+
+Why: a profile of `generate(cache_implementation="static")` on an H200
+(bench/results/2026-11-29-h200-decode-and-profile.md) shows the GPU busy for 1.77 ms of each 3.6 ms step at batch 1
+and 12 layers. The compiled forward is CUDA-graphed, but the
+Python around it (input preparation, logits processors, stopping criteria, a host sync per token) is not. Here one
+replay runs the whole step on the device: transformers' own Gemma-4 modules (so `g4ops.enable()` patches apply),
+the softcapped logits, the token choice (argmax, or engine.sampler's warpers and draw), the KV write and the position
+advance. The host only replays, and reads the tokens back once every `sync_every` steps to stop at EOS (every step,
+one step behind the device, for a streamer or `max_time`).
+
+The KV cache is engine.cache.GraphKVCache. Attention in the step is `g4ops.decode_attention` (while the decoder
+traces or runs a step, its model's Gemma-4 text configs name the "g4ops_graph_decode" attention implementation;
+prefill keeps the model's own): one pass over the slots, the query heads of a KV head sharing its reads, split over
+the slots across the GPU. Stock's sdpa path repeats K/V per query head and runs one thread block per head: on the
+H200 it took 16 us per sliding layer and 56 us per full layer, where a whole layer's step takes about 140 us
+(bench/results/2026-11-30-h200-session6-decode.md).
+
+Exactness: the modules and dtypes are stock's, so the logits equal stock's up to attention's rounding: the order in
+which it sums over the cached keys (the ring is not in position order, and masked slots differ in number), and
+decode_attention keeps the probabilities in fp32 where some of stock's SDPA kernels round them to 16 bits. The token
+is chosen from the fp32 copy of the logits, as `generate` does: EOS held back for `min_new_tokens` and
+`suppress_tokens` first, then greedy's first argmax or the sampler (temperature, top-k, top-p, min-p as
+transformers' warpers, bit for bit). Sampling draws from torch's generator of the model's device, inside the graph
+(philox offsets advance per replay), so `torch.manual_seed(s)` before `generate` reproduces its tokens; they are
+not stock's tokens for that seed (stock draws with `torch.multinomial`, a host-synchronising op), only the same
+distribution. Prompts of different lengths come left-padded, as for stock.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import inspect
+import time
+
+import torch
+
+from .. import ops
+from .cache import GraphKVCache, text_attentions
+from .sampler import sample
+
+DECODE_ATTENTION = "g4ops_graph_decode"  # the attention implementation name the step's configs carry
+K_CAPS = (64, 256, 1024)  # top-k candidate sizes a sampling graph may use for the threshold (exact: sampler.warp)
+_MAX_EOS_IDS = 8  # the EOS ids min_new_tokens holds back live in a fixed-size buffer (the graph's shapes are fixed)
+
+
+def decode_step_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """AttentionInterface entry for the decode step: query [B, Hq, 1, D] over the cache buffers key/value
+    [B, Hkv, slots, D] under the step's bool mask [B, 1, 1, slots] -> ([B, 1, Hq, D], None)."""
+    if query.shape[2] != 1 or not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+        raise RuntimeError(f"{DECODE_ATTENTION} attention serves the Decoder's decode step only (one query token "
+                           f"and the cache's bool mask), got query {list(query.shape)}")  # fmt: skip
+    if dropout or kwargs.get("softcap") is not None:
+        raise RuntimeError(f"{DECODE_ATTENTION} attention has no dropout or logit softcap")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return ops.decode_attention(query, key, value, attention_mask, scale).transpose(1, 2), None
+
+
+def _register_decode_attention() -> None:
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(DECODE_ATTENTION, decode_step_attention)
+
+
+def as_id_list(ids) -> list[int]:
+    """None, an int, a list or a tensor of token ids -> list of ints."""
+    if ids is None:
+        return []
+    if isinstance(ids, torch.Tensor):
+        return [int(t) for t in ids.flatten()]
+    return [int(ids)] if isinstance(ids, int) else [int(t) for t in ids]
+
+
+class Decoder:
+    """Greedy or sampled decoding of a Gemma-4 causal LM with the decode step captured once as a CUDA graph.
+
+    decoder = Decoder(model, batch_size=1, max_length=2048)
+    tokens = decoder.generate(input_ids, max_new_tokens=256)                            # greedy
+    tokens = decoder.generate(input_ids, 256, do_sample=True, top_k=64, top_p=0.95)     # sampled
+    # -> [B, prompt + generated], like model.generate
+
+    `model`: a transformers Gemma4ForCausalLM (or Gemma4ForConditionalGeneration, text only). On CUDA each kind of
+    step (greedy; sampling with a top-k candidate size from K_CAPS or the full sort) is captured at its first
+    `generate` (`cuda_graph=False` runs it eagerly, as on other devices). With `compile=True` the step is compiled by
+    torch.compile first (fewer, fused kernels; costs compile time). `suppress_tokens`: ids never chosen (as
+    generate's `suppress_tokens`). `decode_attention=False` keeps the model's own attention implementation in the
+    step (for comparison).
+    """
+
+    def __init__(self, model, batch_size: int = 1, max_length: int = 2048, compile: bool = False,
+                 cuda_graph: bool | None = None, sync_every: int = 32, suppress_tokens=None,
+                 decode_attention: bool = True):  # fmt: skip
+        if batch_size < 1 or max_length < 2:
+            raise ValueError(f"Decoder: batch_size must be >= 1 and max_length >= 2, got {batch_size}, "
+                             f"{max_length}")  # fmt: skip
+        param = next(model.parameters())
+        self.model = model
+        self.batch, self.max_length, self.sync_every = batch_size, max_length, max(1, sync_every)
+        self.device = param.device
+        self.use_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
+        if self.use_graph and self.device.type != "cuda":
+            raise ValueError(f"Decoder: cuda_graph=True needs the model on a CUDA device, not {self.device}")
+        dev = self.device
+        self.position = torch.zeros(1, dtype=torch.long, device=dev)
+        self.cache = GraphKVCache(model, batch_size, max_length, self.position)
+        self.next_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=dev)
+        self.out = torch.zeros(batch_size, max_length, dtype=torch.long, device=dev)
+        self.suppress = torch.tensor(as_id_list(suppress_tokens), dtype=torch.long, device=dev)
+        # per call, read by the captured step: EOS ids (padded by repetition) and how long they stay suppressed
+        self.hold_ids = torch.zeros(_MAX_EOS_IDS, dtype=torch.long, device=dev)
+        self.hold_until = torch.zeros(1, dtype=torch.long, device=dev)  # in new tokens
+        self.prompt_len = torch.zeros(1, dtype=torch.long, device=dev)
+        # per call and row, read by a sampling step (sampler.sample's parameters)
+        self.temperature = torch.ones(batch_size, device=dev)
+        self.top_k = torch.zeros(batch_size, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(batch_size, dtype=torch.float64, device=dev)
+        self.min_p = torch.zeros(batch_size, device=dev)
+        self.greedy_rows = torch.zeros(batch_size, dtype=torch.bool, device=dev)
+        self.mode = ("greedy", None)  # ("greedy", None) or ("sample", k_cap or None): static, one graph each
+        self.step_fn = torch.compile(self._step, fullgraph=True) if compile else self._step
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns until 5.40)
+        params = inspect.signature(type(model).forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+        self._pool = None
+        # the text attention configs the step switches to DECODE_ATTENTION (usually one shared text config)
+        self._attention_configs = []
+        if decode_attention:
+            _register_decode_attention()
+            for attn in text_attentions(model):
+                config = getattr(attn, "config", None)
+                if config is not None and all(config is not c for c in self._attention_configs):
+                    self._attention_configs.append(config)
+
+    @property
+    def graph(self):
+        """The graph of the current mode's step, once captured (None before, and off CUDA)."""
+        return self.graphs.get(self.mode)
+
+    @contextlib.contextmanager
+    def _step_attention(self):
+        """The step's attention implementation, only while the step is traced, captured or run eagerly."""
+        before = [c._attn_implementation for c in self._attention_configs]
+        for c in self._attention_configs:
+            c._attn_implementation = DECODE_ATTENTION
+        try:
+            yield
+        finally:
+            for c, name in zip(self._attention_configs, before):
+                c._attn_implementation = name
+
+    def run_step(self):
+        """One decode step, not replayed from the graph (what the graph holds, run eagerly or compiled)."""
+        with self._step_attention():
+            self.step_fn()
+
+    # -- the step -------------------------------------------------------------------------------------------------
+    def _logits_to_next(self, logits: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
+        """`generated`: new tokens before this one ([1] device tensor)."""
+        last = logits[:, -1].float()  # as generate: fp32 copy of the last position
+        if self.suppress.numel():
+            last = last.index_fill(-1, self.suppress, float("-inf"))
+        held = last.index_fill(-1, self.hold_ids, float("-inf"))
+        scores = torch.where(generated < self.hold_until, held, last)
+        kind, k_cap = self.mode
+        if kind == "greedy":
+            return scores.argmax(dim=-1)  # the first maximum, as generate
+        return sample(scores, self.temperature, self.top_k, self.top_p, self.min_p, self.greedy_rows, k_cap=k_cap)
+
+    def _step(self):
+        """Decode the token in `next_ids` at `position`; leaves the next token in `next_ids` and in `out`."""
+        position_ids = self.position.view(1, 1) - self.cache.pad  # RoPE positions skip the left padding
+        logits = self.model(
+            input_ids=self.next_ids, attention_mask=self.cache.decode_masks(), position_ids=position_ids,
+            use_cache=True, logits_to_keep=1, **{self._cache_kwarg: self.cache},
+        ).logits  # fmt: skip
+        nxt = self._logits_to_next(logits, self.position + 1 - self.prompt_len)
+        self.position.add_(1)
+        self.out.index_copy_(1, self.position, nxt[:, None])
+        self.next_ids.copy_(nxt[:, None])
+
+    def _capture(self):
+        """Warm up on a side stream (compilation, cuBLAS handles, lazy kernel loads), then record one step. The
+        warm-up and the capture really run the step on whatever state there is; that is harmless, because prefill
+        rewrites the state and a step writes a KV slot before any mask exposes it. The random draws they make are
+        undone (fork_rng), so a seed set before the call gives the same tokens whether or not this call captured."""
+        with torch.random.fork_rng(devices=[self.device]):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    self.run_step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # one memory pool for the decoder's graphs: they never run concurrently, and each writes its results
+            # into the decoder's own buffers
+            with torch.cuda.graph(graph, pool=self._pool), self._step_attention():
+                self.step_fn()
+            self._pool = graph.pool()
+        self.graphs[self.mode] = graph
+
+    # -- generation -----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Run the prompt from position 0 and leave its next token (greedy or sampled, by the current mode) in
+        `next_ids` (and `out`). `attention_mask` [B, prompt]: 0 marks left padding (as a tokenizer with
+        padding_side="left" makes)."""
+        b, n = input_ids.shape
+        pad = torch.zeros(b, dtype=torch.long, device=self.device)
+        if attention_mask is not None:
+            mask = attention_mask.to(self.device).bool()
+            pad = n - mask.sum(dim=1)
+            if attention_mask.shape != input_ids.shape or not torch.equal(
+                    mask, torch.arange(n, device=self.device)[None, :] >= pad[:, None]):  # fmt: skip
+                raise ValueError("Decoder: attention_mask must be [batch, prompt] with zeros only as left "
+                                 "padding (use padding_side='left')")  # fmt: skip
+            if bool((pad >= n).any()):
+                raise ValueError("Decoder: a prompt in the batch is all padding")
+        self.cache.pad.copy_(pad[:, None])
+        position_ids = (torch.arange(n, device=self.device)[None, :] - pad[:, None]).clamp(min=0)
+        logits = self.model(
+            input_ids=input_ids, attention_mask=self.cache.prefill_masks(n), position_ids=position_ids,
+            use_cache=True, logits_to_keep=1, **{self._cache_kwarg: self.cache},
+        ).logits  # fmt: skip
+        nxt = self._logits_to_next(logits, torch.zeros_like(self.prompt_len))
+        self.out[:, :n] = input_ids
+        self.out[:, n] = nxt
+        self.next_ids.copy_(nxt[:, None])
+        self.position.fill_(n)
+        self.prompt_len.fill_(n)
+
+    def _set_sampling(self, do_sample: bool, temperature, top_k, top_p, min_p) -> None:
+        """Copy one call's sampling settings (scalars or [B] per row) into the step's buffers; choose the mode."""
+        if not do_sample:
+            self.mode = ("greedy", None)
+            return
+        b = self.batch
+
+        def rows(value, name, dtype):
+            t = torch.as_tensor(value, dtype=dtype)
+            if t.dim() > 1 or (t.dim() == 1 and t.shape[0] != b):
+                raise ValueError(f"Decoder: {name} must be a number or [batch={b}] values, got {list(t.shape)}")
+            return t.expand(b).to(self.device)
+
+        values = dict(temperature=rows(temperature, "temperature", torch.float32),
+                      top_k=rows(top_k or 0, "top_k", torch.long),
+                      top_p=rows(1.0 if top_p is None else top_p, "top_p", torch.float64),  # fmt: skip
+                      min_p=rows(min_p or 0.0, "min_p", torch.float32))  # fmt: skip
+        from .sampler import check_params
+
+        check_params(**values)  # once per call (it syncs)
+        for name, t in values.items():
+            getattr(self, name).copy_(t)
+        self.greedy_rows.zero_()
+        ks = as_id_list(values["top_k"].cpu())
+        k_cap = next((c for c in K_CAPS if all(0 < k <= c for k in ks)), None)
+        self.mode = ("sample", k_cap)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None, pad_token_id: int = 0,
+                 attention_mask: torch.Tensor | None = None, min_new_tokens: int = 0, do_sample: bool = False,
+                 temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, streamer=None, stop=None,
+                 max_time: float | None = None, start_time: float | None = None):  # fmt: skip
+        """-> [B, prompt + generated] token ids, as `model.generate` returns them: a row is finished by an EOS id or
+        by `stop` (a host function of the ids so far [B, L] -> [B] bool, e.g. transformers' StopStringCriteria),
+        padded with `pad_token_id` after that, and generation stops once every row is finished, after
+        `max_new_tokens`, or after the first step that ends later than `max_time` seconds from `start_time`
+        (default: now). `streamer` (a transformers BaseStreamer) gets `put(prompt)`, then each step's [B] tokens
+        (finished rows padded) as they are produced, then `end()`, as stock calls it. Prompts of different lengths
+        come left-padded, with their `attention_mask`. Sampling: `do_sample=True` with `temperature`, `top_k`
+        (0: off), `top_p` (1: off), `min_p` (0: off), each a number or one value per row."""
+        start_time = time.time() if start_time is None else start_time
+        if input_ids.dim() != 2 or input_ids.shape[0] != self.batch:
+            raise ValueError(f"Decoder: input_ids must be [batch={self.batch}, prompt], "
+                             f"got {list(input_ids.shape)}")  # fmt: skip
+        n = input_ids.shape[1]
+        if n < 1 or max_new_tokens < 1 or n + max_new_tokens > self.max_length:
+            raise ValueError(f"Decoder: prompt {n} + {max_new_tokens} new tokens must fit max_length "
+                             f"{self.max_length} (and both be >= 1)")  # fmt: skip
+        input_ids = input_ids.to(self.device)
+        eos_ids = sorted(set(as_id_list(eos_token_id)))
+        if len(eos_ids) > _MAX_EOS_IDS:
+            raise ValueError(f"Decoder: at most {_MAX_EOS_IDS} EOS ids, got {len(eos_ids)}")
+        if eos_ids:
+            self.hold_ids.copy_(torch.tensor([eos_ids[i % len(eos_ids)] for i in range(_MAX_EOS_IDS)]))
+        self.hold_until.fill_(min_new_tokens if eos_ids else 0)
+        self._set_sampling(do_sample, temperature, top_k, top_p, min_p)
+        if self.use_graph and self.graph is None:
+            self._capture()
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        self.prefill(input_ids, attention_mask)
+        run = self.graph.replay if self.graph is not None else self.run_step
+        per_step = streamer is not None or max_time is not None
+        reader = _StepReader(self.out, n, lookahead=per_step and self.device.type == "cuda")
+        stops = _Stops(input_ids.cpu(), eos_ids, pad_token_id, stop, streamer)
+        queued = 1  # new tokens enqueued so far (the first came from prefill)
+        reader.request(0, 1)
+        while True:
+            if per_step:  # one step at a time, the next one enqueued before this one is read
+                if queued < max_new_tokens:
+                    run()
+                    reader.request(queued, 1)
+                    queued += 1
+                columns = reader.take_oldest()
+            else:
+                steps = min(self.sync_every, max_new_tokens - queued)
+                for _ in range(steps):
+                    run()
+                if steps:
+                    reader.request(queued, steps)
+                queued += steps
+                columns = reader.take_all()
+            finished = stops.feed(columns)
+            timed_out = max_time is not None and time.time() - start_time > max_time
+            if finished or timed_out or stops.length >= max_new_tokens:
+                break
+        if streamer is not None:
+            streamer.end()
+        return stops.ids().to(self.device)
+
+
+GreedyDecoder = Decoder  # the name it had while it could only take the argmax
+
+
+class _StepReader:
+    """Reads the decoder's new token columns back to the host. With `lookahead` (CUDA), each read is a copy into
+    pinned memory on a side stream after an event, so the host waits for that step only while the next one runs."""
+
+    def __init__(self, out: torch.Tensor, prompt_len: int, lookahead: bool):
+        self.out, self.n, self.lookahead = out, prompt_len, lookahead
+        self.pending: collections.deque = collections.deque()
+
+    def request(self, first: int, count: int) -> None:
+        """Columns `first .. first+count-1` of the new tokens, once the work enqueued so far has run."""
+        if not self.lookahead:
+            self.pending.append((first, count, None, None))
+            return
+        done = torch.cuda.Event()
+        done.record()
+        side = _copy_stream(self.out.device)
+        side.wait_event(done)
+        host = torch.empty(self.out.shape[0], count, dtype=self.out.dtype, pin_memory=True)
+        with torch.cuda.stream(side):
+            host.copy_(self.out[:, self.n + first : self.n + first + count], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        self.pending.append((first, count, host, copied))
+
+    def _get(self, item) -> torch.Tensor:
+        first, count, host, copied = item
+        if host is None:
+            return self.out[:, self.n + first : self.n + first + count].cpu()
+        copied.synchronize()
+        return host
+
+    def take_oldest(self) -> torch.Tensor:
+        return self._get(self.pending.popleft())
+
+    def take_all(self) -> torch.Tensor:
+        parts = [self._get(item) for item in self.pending]
+        self.pending.clear()
+        return torch.cat(parts, dim=1)
+
+
+_COPY_STREAMS: dict = {}
+
+
+def _copy_stream(device) -> torch.cuda.Stream:
+    key = torch.device(device).index
+    if key not in _COPY_STREAMS:
+        _COPY_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _COPY_STREAMS[key]
+
+
+class _Stops:
+    """The host's side of generate's stopping criteria, fed one column of new tokens after another: which rows are
+    finished (EOS, or the `stop` function on the ids so far), what the streamer gets, and the output's padding."""
+
+    def __init__(self, prompt: torch.Tensor, eos_ids, pad_token_id: int, stop, streamer):
+        self.prompt, self.pad, self.stop, self.streamer = prompt, pad_token_id, stop, streamer
+        self.eos = torch.tensor(eos_ids, dtype=torch.long)
+        self.finished_at = torch.full((prompt.shape[0],), -1, dtype=torch.long)  # the new token that finished a row
+        self.length = 0  # new tokens taken so far
+        self.tokens: list[torch.Tensor] = []
+
+    def feed(self, columns: torch.Tensor) -> bool:
+        """Take new-token columns [B, k]; True once every row is finished (the rest of `columns` is dropped)."""
+        for j in range(columns.shape[1]):
+            unfinished = self.finished_at < 0
+            tok = columns[:, j].clone()
+            if self.eos.numel():  # as stock: only an EOS criterion pads the finished rows
+                tok = torch.where(unfinished, tok, torch.full_like(tok, self.pad))
+            self.tokens.append(tok)
+            self.length += 1
+            ended = torch.isin(tok, self.eos) if self.eos.numel() else torch.zeros_like(unfinished)
+            if self.stop is not None:
+                ended = ended | torch.as_tensor(self.stop(self.ids())).cpu().bool()
+            self.finished_at = torch.where(unfinished & ended, self.length - 1, self.finished_at)
+            if self.streamer is not None:
+                self.streamer.put(tok)
+            if bool((self.finished_at >= 0).all()):
+                return True
+        return False
+
+    def ids(self) -> torch.Tensor:
+        """[B, prompt + new tokens so far] on the host, as generate returns them."""
+        return torch.cat([self.prompt, torch.stack(self.tokens, dim=1)], dim=1)
