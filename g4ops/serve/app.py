@@ -3,9 +3,10 @@ OpenAI's API over a running `g4ops.engine.batch.BatchEngine`.
 
 Threads: the engine's own thread owns the model and the device; everything here runs on the asyncio loop (plus
 worker threads for tokenization) and touches only token ids and text. The engine's per-token callback only
-timestamps the event and hands it to the loop (`call_soon_threadsafe`); each request reads its events from an
-asyncio queue, taking every event already there at once, so a slow client or a busy loop gets fewer, larger chunks
-instead of falling behind.
+timestamps the event and appends it to `_Bridge`, which wakes the loop once for everything that arrived meanwhile
+(one decode step's tokens for every request: one wake-up, not one per request); each request reads its events from
+an asyncio queue, taking every event already there at once, so a slow client or a busy loop gets fewer, larger
+chunks instead of falling behind.
 
 A request leaves the engine when it ends, when a stop string matches, when its client disconnects (streaming or
 not) and at shutdown (the lifespan's exit calls `engine.shutdown()`, which ends what is in flight)."""
@@ -13,7 +14,9 @@ not) and at shutdown (the lifespan's exit calls `engine.shutdown()`, which ends 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import threading
 import time
 from typing import AsyncIterator
 
@@ -47,12 +50,40 @@ class _Ended(Exception):
         self.body = p.ErrorResponse(error=p.ErrorInfo(message=reason, type="server_error"))
 
 
+class _Bridge:
+    """Engine thread -> asyncio loop: items posted while a hand-over is pending ride along with it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._items: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue, item) -> None:  # any thread
+        self._items.append((queue, item))
+        with self._lock:
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _deliver(self) -> None:  # the loop
+        with self._lock:
+            self._scheduled = False  # before draining: an item posted from now on schedules another delivery
+        while self._items:
+            queue, item = self._items.popleft()
+            queue.put_nowait(item)
+
+
 class _Generation:
     """One request in the engine: its events, bridged to the loop, become text deltas (`deltas()`)."""
 
     def __init__(self, server: _Server, prompt_ids: list[int], params, stops: tuple[str, ...], arrival: float):
         self.server, self.arrival = server, arrival
-        self.loop = asyncio.get_running_loop()
+        self._bridge = server.bridge()
         self.queue: asyncio.Queue[tuple[TokenEvent, float]] = asyncio.Queue()
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
@@ -66,10 +97,7 @@ class _Generation:
         server.metrics.prompt_tokens.inc(len(prompt_ids))
 
     def _on_event(self, event: TokenEvent) -> None:  # the engine thread: must be cheap and must not raise
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (event, time.perf_counter()))
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        self._bridge.post(self.queue, (event, time.perf_counter()))
 
     def usage(self) -> p.Usage:
         return p.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
@@ -169,6 +197,14 @@ class _Server:
         self.vocab = len(tokenizer)
         self.metrics = ServerMetrics(engine, model_name)
         self.stopping = False  # the lifespan is ending, or the engine refused a request as shut down
+        self._bridge: _Bridge | None = None
+
+    def bridge(self) -> _Bridge:
+        """The bridge into the running loop (made on first use: the app is built before uvicorn starts a loop)."""
+        loop = asyncio.get_running_loop()
+        if self._bridge is None or self._bridge._loop is not loop:
+            self._bridge = _Bridge(loop)
+        return self._bridge
 
     # -- requests to token ids (worker threads) --
     def chat_ids(self, req: p.ChatCompletionRequest) -> list[int]:
