@@ -102,14 +102,36 @@ def _stock_generate(model, prompt, new, eos) -> list[int]:
 
 
 # -- greedy: batched == solo == stock ------------------------------------------------------------------------------
-@pytest.mark.parametrize("chunk", [5, 12], ids=["chunk5-crosses-window", "chunk12-longer-than-window"])
-def test_greedy_batched_equals_solo_and_stock(model, chunk):
+class _Calls:
+    """Wraps the model for an engine and records each call's input_ids shape."""
+
+    def __init__(self, model):
+        self.model, self.shapes = model, []
+
+    def __call__(self, **kwargs):
+        self.shapes.append(tuple(kwargs["input_ids"].shape))
+        return self.model(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "chunk, lengths, joins",
+    [
+        (5, (3, 20, 11, 30, 8), (0, 2, 3, 9, 9)),
+        (12, (3, 20, 11, 30, 8), (0, 2, 3, 9, 9)),
+        (24, (30, 11, 3, 8, 20), (0, 0, 0, 0, 1)),  # the 30 one: 24 tokens, then 6 padded to 11 beside the 11
+    ],
+    ids=["chunk5-crosses-window", "chunk12-longer-than-window", "budget24-several-prompts-per-call"],
+)
+def test_greedy_batched_equals_solo_and_stock(model, chunk, lengths, joins):
     # prompt lengths below, at and well past the window; joins at different iterations, so rows sit at different
-    # positions and some prefill chunks run between decode steps of the others
-    lengths, joins = (3, 20, 11, 30, 8), (0, 2, 3, 9, 9)
+    # positions and prefill calls run between decode steps of the others; with budget 24, prompts of different
+    # lengths share a prefill call (left-padded), some crossing the window inside it
     prompts = [_prompt(n, seed=n) for n in lengths]
     engine = BatchEngine(model, max_batch=4, max_context=64, prefill_chunk=chunk)
+    engine.model = calls = _Calls(model)
     outs = _drive(engine, [(at, p, _greedy()) for at, p in zip(joins, prompts)])  # 5 requests, 4 rows: one waits
+    prefills = [s for s in calls.shapes if s[1] > 1]
+    assert all(k * n <= chunk for k, n in prefills) and any(k > 1 for k, _ in prefills) == (chunk == 24)
     for prompt, out in zip(prompts, outs):
         solo = _drive(BatchEngine(model, max_batch=1, max_context=64, prefill_chunk=chunk), [(0, prompt, _greedy())])
         assert out.reason == "length" and len(out.tokens) == NEW
@@ -322,6 +344,21 @@ def test_bad_engine_arguments_and_queue_full(model):
     engine.submit([5, 6], _greedy(), Collect())
 
 
+def test_warmup_leaves_the_state_alone(model):
+    engine = BatchEngine(model, max_batch=3, max_context=64, prefill_chunk=5)
+    engine.submit(_prompt(12, 23), _greedy(), first := Collect())
+    engine.step()  # a row in prefill while warmup runs every bucket's step
+    engine.warmup([SamplingParams(4, temperature=0.7, top_k=50, seed=3), SamplingParams(4, temperature=1.0)])
+    second = _drive(engine, [(0, _prompt(9, 24), _greedy())])[0]
+    while not first.done.is_set():
+        engine.step()
+    assert first.tokens == _stock(model, _prompt(12, 23)) and second.tokens == _stock(model, _prompt(9, 24))
+    engine.start()
+    with pytest.raises(RuntimeError, match="before start"):
+        engine.warmup()
+    engine.shutdown(timeout=30)
+
+
 # -- the engine thread ---------------------------------------------------------------------------------------------
 def test_thread_serves_concurrent_submits_then_shutdown_cancels(model):
     prompts = [_prompt(n, 30 + n) for n in (4, 15, 9)]
@@ -394,6 +431,22 @@ def test_cuda_graph_buckets_equal_eager(dtype):
         for (_, prompt, params), g in zip(sched, graphed):
             if params.temperature == 0:
                 assert g.tokens == _stock(model, prompt, 18)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_compiled_warmed_up_graphs_equal_eager():
+    model = build_model("tiny-e4b", device="cuda")
+    sched = _mixed_schedule()
+    eager = _drive(BatchEngine(model, max_batch=8, max_context=64, prefill_chunk=5, cuda_graph=False), sched)
+    engine = BatchEngine(model, max_batch=8, max_context=64, prefill_chunk=5, compile=True)
+    engine.warmup([p for _, _, p in sched])
+    made = set(engine._graphs)
+    assert {b for b, _ in made} == {1, 2, 4, 8} and len({m for _, m in made}) == 2  # greedy, seeded top-k 64
+    graphed = _drive(engine, sched)
+    assert set(engine._graphs) == made  # nothing captured while serving
+    for e, g in zip(eager, graphed):
+        assert g.tokens == e.tokens
 
 
 @pytest.mark.cuda

@@ -9,21 +9,26 @@ the scratch slot: rows that are not decoding (free, or still in prefill) write t
 it, so the step never touches a prefilling row's cache and never computes on an empty mask.
 
 One engine thread owns the device and loops: apply cancels, admit waiting requests into free rows, run one prefill
-chunk (at most `prefill_chunk` tokens of the oldest admitted prompt, so a new prompt stalls the decoding rows for at
-most one chunk), run one decode step over the decoding rows, emit the tokens. A prefill chunk attends over the row's
-cached keys plus the chunk: full layers write the chunk first and read slots [0, end); sliding layers read the ring
-as it was before the chunk, concatenated with the chunk, and write the chunk's last `window` tokens afterwards (a
-chunk longer than the window would otherwise overwrite keys its own first queries still see).
+call, run one decode step over the decoding rows, emit the tokens. The prefill call holds at most `prefill_chunk`
+tokens (padding counted), so a new prompt stalls the decoding rows for at most that much work: the next chunk of the
+oldest prompt in prefill, plus the next chunks of younger ones while they fit, left-padded to one length (on an
+H200 an eager 42-layer E4B call over 128 tokens takes 93 ms, nearly all of it launch overhead, so one call for
+several prompts costs about what one costs). A chunk attends over its row's cached keys plus the chunk: full layers
+write the chunk first and read slots [0, end); sliding layers read the ring as it was before the chunk,
+concatenated with the chunk, and write the chunk's last `window` tokens afterwards (a chunk longer than the window
+would otherwise overwrite keys its own first queries still see).
 
 The decode step is one model call over the first `b` rows, `b` the smallest batch bucket (1, 2, 4, ..., max_batch)
 covering every decoding row (a new request takes the lowest free row, so the active rows stay packed): input_ids and
 position_ids [b, 1], per-row bool masks [b, 1, 1, slots] built on the device from the positions, the K/V write a
 per-row scatter, attention `g4ops.decode_attention`, then the softcapped logits in fp32 into the sampler. On CUDA
-each (bucket, sampling mode) is captured once as a CUDA graph (lazily, the first time it is needed); elsewhere, or
-with `cuda_graph=False`, the same step runs eagerly. Modes: all greedy (argmax only), sampling, sampling with some
-seeded rows (their noise from `seeded_exponential(seed, generated-token index)`, so their tokens do not depend on the
-batch; the other rows draw from torch's generator). The host reads the step's tokens back once per step (each token
-is an event).
+each (bucket, sampling mode) is captured once as a CUDA graph (the first time a batch needs it, or all of them in
+`warmup()`); elsewhere, or with `cuda_graph=False`, the same step runs eagerly. Modes: all greedy (argmax only),
+sampling (with the smallest top-k cap of decoder.K_CAPS that bounds every sampling row's top_k, as the Decoder), and
+sampling with some seeded rows (their noise from `seeded_exponential(seed, generated-token index)`, so their tokens
+do not depend on the batch; the other rows draw from torch's generator). `compile=True` compiles the step's model
+call with torch.compile (twice: batch 1, then one dynamic-batch graph), the sampler stays eager. The host reads the
+step's tokens back once per step (each token is an event).
 
 Exactness: in fp32 a greedy request's tokens are its solo run's and stock `generate(do_sample=False)`'s, up to the
 order attention sums over the keys (decode.py's note), and up to the batched matmuls' rounding for other rows in
@@ -200,41 +205,67 @@ class _DecodeCall(_CacheCall):
 
 
 class _PrefillCall(_CacheCall):
-    """One prefill chunk of row `row`: tokens at positions [start, start + n), earlier positions already cached."""
+    """One prefill call over k rows: row rows[i] gets the tokens at positions [starts[i], starts[i] + lens[i])
+    (earlier positions already cached), left-padded to one length N, so every row's last token is the call's last
+    position (logits_to_keep=1). A padding token writes to scratch and sees only itself (or slot 0: finite)."""
 
-    def __init__(self, cache: SlotKVCache, row: int, start: int, n: int):
-        self.cache, self.row, self.start, self.n = cache, row, start, n
+    def __init__(self, cache: SlotKVCache, rows: list[int], starts: list[int], lens: list[int]):
+        self.cache = cache
+        dev = cache.keys[next(iter(cache.keys))].device
+        self.k, self.n = len(rows), max(lens)
+        self.end = max(s + n for s, n in zip(starts, lens))  # full layers attend over slots [0, end)
+        self.first = rows[0] if self.k == 1 else None  # one row: views of the buffers instead of gathers
+        self.rows = torch.tensor(rows, dtype=torch.long, device=dev)
+        start = torch.tensor(starts, dtype=torch.long, device=dev)[:, None]
+        pad = self.n - torch.tensor(lens, dtype=torch.long, device=dev)[:, None]
+        j = torch.arange(self.n, device=dev)[None, :]
+        self.real = j >= pad  # [k, N]
+        self.pos = start - pad + j  # the position of chunk token j (meaningless on padding)
+        self.position_ids = torch.where(self.real, self.pos, 0)
+        w = cache.window
+        in_ring = j >= self.n - torch.minimum(self.n - pad, torch.tensor(w, device=dev))  # the last w real tokens
+        self.slot = {True: torch.where(self.real, self.pos, cache.max_context),
+                     False: torch.where(in_ring, torch.remainder(self.pos, w), w)}  # fmt: skip
+        self.start = start
+
+    def _rows(self, buffer: torch.Tensor, length: int) -> torch.Tensor:
+        if self.first is not None:
+            return buffer[self.first : self.first + 1, :, :length]
+        return buffer[self.rows, :, :length]  # a copy of just these rows and slots
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        c, r, start, n = self.cache, self.row, self.start, self.n
+        c = self.cache
         c.check(layer_idx, key_states)
         keys, values = c.keys[layer_idx], c.values[layer_idx]
-        if c.full[layer_idx]:
-            keys[r, :, start : start + n] = key_states[0]
-            values[r, :, start : start + n] = value_states[0]
-            return keys[r : r + 1, :, : start + n], values[r : r + 1, :, : start + n]
-        w = c.window  # the ring before this chunk, then the chunk (cat copies, so the write below cannot reach it)
-        seen_k = torch.cat([keys[r : r + 1, :, :w], key_states], dim=2)
-        seen_v = torch.cat([values[r : r + 1, :, :w], value_states], dim=2)
-        keep = min(n, w)
-        slots = torch.remainder(torch.arange(start + n - keep, start + n, device=keys.device), w)
-        keys[r].index_copy_(1, slots, key_states[0, :, n - keep :])
-        values[r].index_copy_(1, slots, value_states[0, :, n - keep :])
+        full = c.full[layer_idx]
+        if not full:  # the ring before this chunk, then the chunk (cat copies, so the write below cannot reach it)
+            seen_k = torch.cat([self._rows(keys, c.window), key_states], dim=2)
+            seen_v = torch.cat([self._rows(values, c.window), value_states], dim=2)
+        rows, slot = self.rows[:, None], self.slot[full]  # indexing [k, N] pairs: values [k, N, heads, dim]
+        keys[rows, :, slot] = key_states.transpose(1, 2)
+        values[rows, :, slot] = value_states.transpose(1, 2)
+        if full:
+            return self._rows(keys, self.end), self._rows(values, self.end)
         return seen_k, seen_v
 
     def masks(self) -> dict[str, torch.Tensor]:
-        """{FULL: [1, 1, n, start + n], sliding: [1, 1, n, window + n]} bool, True = attend."""
-        c, start, n = self.cache, self.start, self.n
-        dev = c.keys[next(iter(c.keys))].device
-        q = torch.arange(start, start + n, device=dev)[:, None]  # query positions
-        full = torch.arange(start + n, device=dev)[None, :] <= q
-        ring = torch.arange(c.window, device=dev)[None, :]
-        held = (start - 1) - torch.remainder(start - 1 - ring, c.window)  # position in slot s before the chunk
-        chunk = torch.arange(start, start + n, device=dev)[None, :]
+        """{FULL: [k, 1, N, end], sliding: [k, 1, N, window + N]} bool, True = attend."""
+        c, w, real = self.cache, self.cache.window, self.real
+        dev = self.pos.device
+        q = self.pos[:, :, None]  # [k, N, 1] query positions
+        alone = ~real[:, :, None]  # padding queries
+        slots = torch.arange(self.end, device=dev)[None, None, :]
+        full = torch.where(alone, slots == 0, slots <= q)
+        ring = torch.arange(w, device=dev)[None, None, :]
+        held = (self.start[:, :, None] - 1) - torch.remainder(self.start[:, :, None] - 1 - ring, w)  # before the chunk
+        ring_seen = (held >= 0) & (held > q - w) & ~alone
+        key = self.pos[:, None, :]  # [k, 1, N]
+        j = torch.arange(self.n, device=dev)
+        chunk_seen = torch.where(alone, j[None, None, :] == j[None, :, None],
+                                 real[:, None, :] & (key <= q) & (key > q - w))  # fmt: skip
         # the ring is min(window, max_context) long: a longer window changes nothing below max_context
-        w = c.window
-        sliding = torch.cat([(held >= 0) & (held > q - w), (chunk <= q) & (chunk > q - w)], dim=1)
-        return {FULL: full[None, None], "sliding_attention": sliding[None, None]}
+        sliding = torch.cat([ring_seen, chunk_seen], dim=2)
+        return {FULL: full[:, None], "sliding_attention": sliding[:, None]}
 
 
 # -- requests -----------------------------------------------------------------------------------------------------
@@ -271,7 +302,7 @@ class BatchEngine:
     """
 
     def __init__(self, model, max_batch: int = 16, max_context: int = 2048, max_waiting: int = 256,
-                 prefill_chunk: int = 256, cuda_graph: bool | None = None):  # fmt: skip
+                 prefill_chunk: int = 256, cuda_graph: bool | None = None, compile: bool = False):  # fmt: skip
         for name, value, low in (("max_batch", max_batch, 1), ("max_context", max_context, 2),
                                  ("max_waiting", max_waiting, 0), ("prefill_chunk", prefill_chunk, 1)):  # fmt: skip
             if not _is_int(value) or value < low:
@@ -303,6 +334,9 @@ class BatchEngine:
         self.seed = torch.zeros(rows, dtype=torch.long, device=dev)
         self.seeded = torch.zeros(rows, dtype=torch.bool, device=dev)
         self.buckets = _buckets(max_batch)
+        # compile=True compiles the step's model call (not the sampler, so the sampling modes share it): batch 1,
+        # then one dynamic-batch compile for every other bucket
+        self._logits_fn = torch.compile(self._logits, fullgraph=True) if compile else self._logits
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (bucket, mode) -> captured step
         self._pool = None  # one memory pool for every captured step (they never run at the same time)
 
@@ -367,6 +401,23 @@ class BatchEngine:
                                kv_slots_total=self.max_batch, generated_tokens=self._tokens,
                                decode_steps=self._steps)  # fmt: skip
 
+    def warmup(self, params=()) -> None:
+        """Before start(): capture (with compile=True, compile first) the decode step of every batch bucket for
+        greedy decoding and for the sampling mode each of `params` (SamplingParams) runs in alone. Otherwise each
+        is made the first time a batch needs it, stalling that step (compiling E4B takes tens of seconds)."""
+        with self._lock:
+            if self._thread is not None or self._stopping:
+                raise RuntimeError("BatchEngine: warmup() goes before start()")
+        modes = {self._mode([])} | {self._mode([_Request(0, [], p, None, frozenset())]) for p in params}
+        with torch.no_grad():
+            for mode in sorted(modes, key=repr):
+                for b in self.buckets:
+                    if self.use_graph:
+                        self._graph(b, mode)
+                    else:
+                        with self._rows_off():
+                            self._run_step(b, mode)
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop accepting requests, end every request in flight with "cancelled", join the engine thread."""
         with self._lock:
@@ -396,13 +447,13 @@ class BatchEngine:
 
     @torch.no_grad()
     def step(self) -> bool:
-        """One loop iteration: cancels, admissions, one prefill chunk, one decode step. -> whether work was done."""
+        """One loop iteration: cancels, admissions, one prefill call, one decode step. -> whether work was done."""
         try:
             self._apply_cancels()
             self._admit()
             worked = False
             if self._prefilling:
-                self._prefill_chunk(self._prefilling[0])
+                self._prefill()
                 worked = True
             if any(r is not None and r.prefilled == len(r.prompt) for r in self._rows):
                 self._decode()
@@ -447,40 +498,55 @@ class BatchEngine:
             self.counter[row] = 0
             self._prefilling.append(req)
 
-    def _prefill_chunk(self, req: _Request) -> None:
-        start = req.prefilled
-        n = min(self.prefill_chunk, len(req.prompt) - start)
+    def _prefill(self) -> None:
+        """One prefill call over the oldest prompts in prefill: each contributes its next chunk (at most
+        prefill_chunk tokens), left-padded to the longest; as many prompts as fit in prefill_chunk padded tokens
+        (the oldest always goes)."""
+        batch, width = [], 0
+        for req in self._prefilling:
+            n = min(self.prefill_chunk, len(req.prompt) - req.prefilled)
+            if batch and (len(batch) + 1) * max(width, n) > self.prefill_chunk:
+                break
+            batch.append((req, n))
+            width = max(width, n)
         try:
-            ids = torch.tensor([req.prompt[start : start + n]], dtype=torch.long, device=self.device)
-            call = _PrefillCall(self.cache, req.row, start, n)
+            ids = [[0] * (width - n) + req.prompt[req.prefilled : req.prefilled + n] for req, n in batch]
+            call = _PrefillCall(self.cache, [r.row for r, _ in batch], [r.prefilled for r, _ in batch],
+                                [n for _, n in batch])  # fmt: skip
             logits = self.model(
-                input_ids=ids, attention_mask=call.masks(), **{self._cache_kw: call}, use_cache=True, logits_to_keep=1,
-                position_ids=torch.arange(start, start + n, device=self.device)[None, :],
-            ).logits  # fmt: skip
-            req.prefilled += n
-            if req.prefilled < len(req.prompt):
-                return
-            self._prefilling.popleft()
-            row = slice(req.row, req.row + 1)
-            token = int(self._choose(logits[:, -1].float(), row, self._mode([req]), self.counter[row])[0])
-        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
-            log.exception("BatchEngine: prefill of request %d failed", req.id)
-            self._finish(req, None, "error", f"{type(e).__name__}: {e}")
+                input_ids=torch.tensor(ids, dtype=torch.long, device=self.device), attention_mask=call.masks(),
+                position_ids=call.position_ids, **{self._cache_kw: call}, use_cache=True, logits_to_keep=1,
+            ).logits[:, -1].float()  # fmt: skip
+            first = {}
+            for i, (req, n) in enumerate(batch):
+                req.prefilled += n
+                if req.prefilled == len(req.prompt):
+                    row = slice(req.row, req.row + 1)
+                    first[i] = self._choose(logits[i : i + 1], row, self._mode([req]), self.counter[row])
+            first = {i: int(t[0]) for i, t in first.items()}  # one sync per finished prompt
+        except Exception as e:  # noqa: BLE001 - these requests fail, the others go on
+            log.exception("BatchEngine: prefill of requests %s failed", [r.id for r, _ in batch])
+            for req, _ in batch:
+                self._finish(req, None, "error", f"{type(e).__name__}: {e}")
             return
-        r = req.row
-        self.next_ids[r, 0] = token
-        self.position[r] = len(req.prompt)
-        self.counter[r] = 1
-        self._emit_token(req, token, activate=True)
+        for i, token in first.items():
+            req = batch[i][0]
+            self._prefilling.remove(req)
+            r = req.row
+            self.next_ids[r, 0] = token
+            self.position[r] = len(req.prompt)
+            self.counter[r] = 1
+            self._emit_token(req, token, activate=True)
 
-    def _mode(self, reqs) -> tuple:
+    @staticmethod
+    def _mode(reqs) -> tuple:
         """Which captured step runs: (some row samples, some sampling row is seeded, k_cap). k_cap: the smallest of
         K_CAPS bounding every sampling row's top_k (top-k's threshold from a topk, not a sort of the vocabulary)."""
-        sampled = [r for r in reqs if r.params.temperature != 0]
+        sampled = [r.params for r in reqs if r.params.temperature != 0]
         if not sampled:
             return False, False, None
-        k_cap = next((c for c in K_CAPS if all(0 < r.params.top_k <= c for r in sampled)), None)
-        return True, any(r.params.seed is not None for r in sampled), k_cap
+        k_cap = next((c for c in K_CAPS if all(0 < p.top_k <= c for p in sampled)), None)
+        return True, any(p.seed is not None for p in sampled), k_cap
 
     def _decode(self) -> None:
         rows = [i for i, r in enumerate(self._rows) if r is not None and r.prefilled == len(r.prompt)]
@@ -574,15 +640,20 @@ class BatchEngine:
         return sample(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
                       self.greedy[rows], noise, k_cap=k_cap)  # fmt: skip
 
+    def _logits(self, next_ids: torch.Tensor, position: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """The model call of the step over the first b rows ([b] views) -> fp32 logits [b, V]."""
+        call = _DecodeCall(self.cache, next_ids.shape[0], position, active)
+        logits = self.model(
+            input_ids=next_ids, attention_mask=call.masks(), **{self._cache_kw: call}, use_cache=True,
+            position_ids=torch.where(active, position, 0)[:, None], logits_to_keep=1,
+        ).logits  # fmt: skip
+        return logits[:, -1].float()
+
     def _step(self, b: int, mode: tuple) -> None:
         """Decode rows [0, b): each decoding row's next_ids at its position -> the next token in next_ids."""
         active, position = self.active[:b], self.position[:b]
-        call = _DecodeCall(self.cache, b, position, active)
-        logits = self.model(
-            input_ids=self.next_ids[:b], attention_mask=call.masks(), **{self._cache_kw: call}, use_cache=True,
-            position_ids=torch.where(active, position, 0)[:, None], logits_to_keep=1,
-        ).logits  # fmt: skip
-        token = self._choose(logits[:, -1].float(), slice(0, b), mode, self.counter[:b])
+        logits = self._logits_fn(self.next_ids[:b], position, active)
+        token = self._choose(logits, slice(0, b), mode, self.counter[:b])
         self.next_ids[:b, 0].copy_(torch.where(active, token, self.next_ids[:b, 0]))
         step = active.long()
         self.position[:b].add_(step)
@@ -598,9 +669,7 @@ class BatchEngine:
         graph = self._graphs.get((b, mode))
         if graph is not None:
             return graph
-        saved = self.active.clone()
-        self.active.zero_()
-        try:
+        with self._rows_off():
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -612,7 +681,15 @@ class BatchEngine:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"), self._step_attention():
                 self._step(b, mode)
-        finally:
-            self.active.copy_(saved)
         self._graphs[(b, mode)] = graph
         return graph
+
+    @contextlib.contextmanager
+    def _rows_off(self):
+        """Every row switched off: a step then writes only the scratch slots (and draws from the generator)."""
+        saved = self.active.clone()
+        self.active.zero_()
+        try:
+            yield
+        finally:
+            self.active.copy_(saved)
