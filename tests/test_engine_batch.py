@@ -301,6 +301,18 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(model, monkeyp
     assert after.tokens == _stock(model, _prompt(8, 22))
 
 
+def test_a_failing_capture_falls_back_to_eager(model, monkeypatch):
+    engine = BatchEngine(model, max_batch=2, max_context=64)
+    engine.use_graph = True  # as on CUDA; the capture below fails as a step with a host sync would
+
+    def no_capture(b, mode):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(engine, "_graph", no_capture)
+    out = _drive(engine, [(0, _prompt(8, 25), _greedy())])[0]
+    assert out.tokens == _stock(model, _prompt(8, 25)) and not engine.use_graph
+
+
 @pytest.mark.parametrize(
     "prompt, params, field",
     [

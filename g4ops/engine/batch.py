@@ -160,9 +160,6 @@ class SlotKVCache:
             raise ValueError(f"SlotKVCache: layer {layer_idx} got K/V {list(key_states.shape)} but holds "
                              f"{list(keys.shape)}; the model's config does not match the cache")  # fmt: skip
 
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
-
 
 class _CacheCall:
     """What a model call gets as past_key_values: transformers calls update() per KV-owning layer."""
@@ -552,9 +549,16 @@ class BatchEngine:
         rows = [i for i, r in enumerate(self._rows) if r is not None and r.prefilled == len(r.prompt)]
         b = next(k for k in self.buckets if k > rows[-1])
         mode = self._mode([self._rows[i] for i in rows])
+        graph = None
+        if self.use_graph:
+            try:
+                graph = self._graph(b, mode)
+            except Exception:  # noqa: BLE001 - e.g. a patched module that syncs: eager still serves
+                log.exception("BatchEngine: capturing the decode step failed; it runs eagerly from now on")
+                self.use_graph = False
         try:
-            if self.use_graph:
-                self._graph(b, mode).replay()
+            if graph is not None:
+                graph.replay()
             else:
                 self._run_step(b, mode)
             tokens = self.next_ids[:b, 0].tolist()
