@@ -465,8 +465,8 @@ def test_cuda_compiled_warmed_up_graphs_equal_eager():
 @needs_cuda
 def test_cuda_threaded_graph_engine_matches_stock():
     model = build_model("tiny-e2b", device="cuda")
-    engine = BatchEngine(model, max_batch=4, max_context=128, prefill_chunk=16)
-    prompts = [_prompt(n, 60 + n) for n in (5, 40, 9, 23, 2)]
+    engine = BatchEngine(model, max_batch=4, max_context=128, prefill_chunk=64)
+    prompts = [_prompt(n, 60 + n) for n in (9, 23, 5, 2, 40)]  # prefill calls: [9, 23], [5, 2], [40]
     refs = [_stock(model, p, 30) for p in prompts]  # before start(): the engine thread owns the model from then on
     outs = [Collect() for _ in prompts]
     engine.start()
