@@ -662,3 +662,27 @@ def test_internal_ops_refuse_differentiation():
     with pytest.raises(RuntimeError, match="not differentiable"):
         torch.ops.g4ops.linear_cross_entropy_backward(torch.tensor(1.0, requires_grad=True), hidden, weight,
                                                       [True, True])
+
+
+def test_compiled_elementwise_helpers_compile_once_whatever_the_autograd_keys(monkeypatch):
+    """The op reaches its compiled helpers with autograd's dispatch keys excluded and without (a compiled training
+    step's first and second calls on the H200, 2026-12-01); Dynamo guards on those keys, so each helper compiled
+    twice per process until `_run_fused` fixed the keys."""
+    monkeypatch.setattr(loss_mod, "_LOSS_COMPILE", "1")
+    monkeypatch.setattr(loss_mod, "_compiled", {})
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 33, generator=gen)
+    safe = torch.randint(0, 33, (7,), generator=gen)
+    valid = torch.rand(7, generator=gen) > 0.3
+    graphs = torch._dynamo.utils.counters["stats"]
+    first = loss_mod._run_fused(loss_mod._chunk_loss, logits, safe, valid, 30.0)
+    compiled = graphs["unique_graphs"]
+    with torch._C._AutoDispatchBelowAutograd():
+        below = loss_mod._run_fused(loss_mod._chunk_loss, logits, safe, valid, 30.0)
+    assert graphs["unique_graphs"] == compiled, "the helper recompiled for other dispatch keys"
+    eager = loss_mod._chunk_loss(logits, safe, valid, 30.0)
+    for got in (first, below):
+        for a, b in zip(got, eager):
+            torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
