@@ -169,13 +169,15 @@ def _teacher_forced_samples(model, prompt, tokens, params):
     """What the sampler picks from stock's teacher-forced logits with the request's seeded noise."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    def one(x, dtype):
+        return torch.tensor([x], dtype=dtype)
+
+    settings = (one(params.temperature, torch.float32), one(params.top_k, torch.long),
+                one(params.top_p, torch.float64), one(params.min_p, torch.float32), one(False, torch.bool))  # fmt: skip
     picks = []
     for i in range(len(tokens)):
-        one = lambda x, dt: torch.tensor([x], dtype=dt)  # noqa: E731
         noise = seeded_exponential(one(params.seed, torch.long), one(i, torch.long), logits.shape[-1])
-        picks.append(int(sample(logits[i : i + 1], one(params.temperature, torch.float32), one(params.top_k, torch.long),
-                                one(params.top_p, torch.float64), one(params.min_p, torch.float32),
-                                one(False, torch.bool), noise)[0]))  # fmt: skip
+        picks.append(int(sample(logits[i : i + 1], *settings, noise)[0]))
     return picks
 
 

@@ -4,7 +4,7 @@ any thread; requests join a running batch at the next step and leave it when the
 The KV cache (`SlotKVCache`) has `max_batch` rows; a request holds one row from admission to its end. Each row has
 its own position, KV and sampling settings, all [max_batch] device tensors, so rows at different positions share one
 decode step. Full-attention layers keep `max_context` slots per row (slot = position); sliding layers a ring of
-`sliding_window` slots (slot = position mod window), as `g4ops.decode.GraphKVCache`. Every layer has one more slot,
+`sliding_window` slots (slot = position mod window), as engine.cache.GraphKVCache. Every layer has one more slot,
 the scratch slot: rows that are not decoding (free, or still in prefill) write their step's K/V there and see only
 it, so the step never touches a prefilling row's cache and never computes on an empty mask.
 
@@ -27,11 +27,12 @@ each (bucket, sampling mode) is captured once as a CUDA graph (the first time a 
 sampling (with the smallest top-k cap of decoder.K_CAPS that bounds every sampling row's top_k, as the Decoder), and
 sampling with some seeded rows (their noise from `seeded_exponential(seed, generated-token index)`, so their tokens
 do not depend on the batch; the other rows draw from torch's generator). `compile=True` compiles the step's model
-call with torch.compile (twice: batch 1, then one dynamic-batch graph), the sampler stays eager. The host reads the
-step's tokens back once per step (each token is an event).
+call with torch.compile (the sampler stays eager, so every mode shares it): on an H200, one E4B request (42 layers,
+bf16) took 5.96 ms per token end to end instead of 11.6, and `warmup()` of 7 buckets x 2 modes 168 s instead of
+3.5 s. The host reads the step's tokens back once per step (each token is an event).
 
 Exactness: in fp32 a greedy request's tokens are its solo run's and stock `generate(do_sample=False)`'s, up to the
-order attention sums over the keys (decode.py's note), and up to the batched matmuls' rounding for other rows in
+order attention sums over the keys (engine/decoder.py's note), and up to the batched matmuls' rounding for other rows in
 the batch (a BLAS kernel may change with the batch size).
 """
 
@@ -331,8 +332,7 @@ class BatchEngine:
         self.seed = torch.zeros(rows, dtype=torch.long, device=dev)
         self.seeded = torch.zeros(rows, dtype=torch.bool, device=dev)
         self.buckets = _buckets(max_batch)
-        # compile=True compiles the step's model call (not the sampler, so the sampling modes share it): batch 1,
-        # then one dynamic-batch compile for every other bucket
+        # compile=True compiles the step's model call, not the sampler, so the sampling modes share the compilation
         self._logits_fn = torch.compile(self._logits, fullgraph=True) if compile else self._logits
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (bucket, mode) -> captured step
         self._pool = None  # one memory pool for every captured step (they never run at the same time)
