@@ -139,6 +139,17 @@ def test_greedy_batched_equals_solo_and_stock(model, chunk, lengths, joins):
     assert engine.stats().kv_slots_in_use == 0 and engine.stats().decode_steps > NEW
 
 
+def test_conditional_generation_model_text_only():
+    # google/gemma-4-E4B-it loads as Gemma4ForConditionalGeneration: the engine drives its text path
+    from g4ops.models import build_multimodal_model
+
+    model = build_multimodal_model("tiny-e4b")
+    prompts = [_prompt(13, 26), _prompt(4, 27)]
+    outs = _drive(BatchEngine(model, max_batch=2, max_context=64, prefill_chunk=5),
+                  [(0, prompts[0], _greedy()), (1, prompts[1], _greedy())])  # fmt: skip
+    assert [o.tokens for o in outs] == [_stock(model, p) for p in prompts]
+
+
 def test_rows_are_reused_without_stale_keys(model):
     # a long prompt fills row 0's ring and full slots, leaves after 2 tokens; a short prompt takes row 0 next while
     # row 1 keeps decoding: the short one must not see the long one's keys
