@@ -150,6 +150,20 @@ def test_conditional_generation_model_text_only():
     assert [o.tokens for o in outs] == [_stock(model, p) for p in prompts]
 
 
+@pytest.mark.parametrize("attention", [False, True], ids=["enable", "enable-attention"])
+def test_under_g4ops_enable(attention):
+    # g4ops' patched modules in prefill and step (and its attention for prefill), on the E2B shape (one KV head)
+    import g4ops
+
+    model = build_model("tiny-e2b")
+    prompts = [_prompt(n, 28 + n) for n in (13, 4, 21)]
+    refs = [_stock(model, p) for p in prompts]
+    with g4ops.enable(model, attention=True) if attention else g4ops.enable():
+        outs = _drive(BatchEngine(model, max_batch=3, max_context=64, prefill_chunk=24),
+                      [(0, p, _greedy()) for p in prompts])  # fmt: skip
+    assert [o.tokens for o in outs] == refs
+
+
 def test_rows_are_reused_without_stale_keys(model):
     # a long prompt fills row 0's ring and full slots, leaves after 2 tokens; a short prompt takes row 0 next while
     # row 1 keeps decoding: the short one must not see the long one's keys
@@ -355,7 +369,8 @@ def test_bad_requests_name_the_field(model, prompt, params, field):
 
 def test_bad_engine_arguments_and_queue_full(model):
     for kw, field in ((dict(max_batch=0), "max_batch"), (dict(max_context=1), "max_context"),
-                      (dict(prefill_chunk=0), "prefill_chunk"), (dict(max_waiting=-1), "max_waiting")):  # fmt: skip
+                      (dict(prefill_chunk=0), "prefill_chunk"), (dict(max_waiting=-1), "max_waiting"),
+                      (dict(max_context=model.config.max_position_embeddings + 1), "max_context")):  # fmt: skip
         with pytest.raises(ValueError, match=field):
             BatchEngine(model, **kw)
     with pytest.raises(ValueError, match="cuda_graph"):

@@ -315,6 +315,10 @@ class BatchEngine:
             raise ValueError(f"BatchEngine: cuda_graph=True needs the model on a CUDA device, not {self.device}")
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.vocab_size = config.vocab_size
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is not None and max_context > limit:
+            raise ValueError(f"BatchEngine: max_context {max_context} exceeds the model's max_position_embeddings "
+                             f"{limit}")  # fmt: skip
         self.cache = SlotKVCache(model, max_batch, max_context)
         # transformers 5.24 renamed forward's past_key_values to cache (the old name warns on every call)
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
