@@ -84,7 +84,7 @@ class _Plan:
     compile_step: bool
     sampling: dict  # Decoder.generate's do_sample, temperature, top_k, top_p, min_p
     streamer: object
-    stop: object  # a host function ids -> [B] bool, or None
+    stop: tuple | None  # (stop_strings, tokenizer)
     max_time: float | None
     return_dict: bool
 
@@ -128,9 +128,10 @@ def make_generate(stock_generate):
                                     suppress_tokens=plan.suppress))  # fmt: skip
             vars(self)["_g4ops_decoder"] = decoder
             _models_with_decoder.add(self)
+        stop = _stop_function(*plan.stop) if plan.stop else None
         out = decoder[1].generate(ids, plan.new_tokens, eos_token_id=plan.eos, pad_token_id=plan.pad,
                                   attention_mask=plan.mask, min_new_tokens=plan.min_new, streamer=plan.streamer,
-                                  stop=plan.stop, max_time=plan.max_time, start_time=start, **plan.sampling)  # fmt: skip
+                                  stop=stop, max_time=plan.max_time, start_time=start, **plan.sampling)  # fmt: skip
         if plan.return_dict:
             from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -140,6 +141,15 @@ def make_generate(stock_generate):
     setattr(generate, _STOCK_GENERATE, stock_generate)
     generate.__doc__ = stock_generate.__doc__
     return generate
+
+
+def _stop_function(stop_strings, tokenizer):
+    """transformers' StopStringCriteria as a host function of the ids so far (the decoder calls it as it reads the
+    tokens back); built per call, as stock builds it."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    criteria = StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
+    return lambda seq: criteria(seq, None)
 
 
 def _is_absent(name: str, value, config_fields) -> bool:
@@ -231,14 +241,9 @@ def _plan(model, inputs, generation_config, kwargs):
     eos = as_id_list(config.eos_token_id)
     if len(set(eos)) > _MAX_EOS_IDS:
         return f"eos_token_id: {len(set(eos))} ids, the decoder holds at most {_MAX_EOS_IDS}"
-    stop = None
-    if config.stop_strings is not None:
-        if tokenizer is None:
-            return "stop_strings without tokenizer= (stock raises)"
-        from transformers.generation.stopping_criteria import StopStringCriteria
-
-        criteria = StopStringCriteria(tokenizer=tokenizer, stop_strings=config.stop_strings)
-        stop = lambda seq: criteria(seq, None)  # noqa: E731 - on the host ids, at the decoder's read-backs
+    if config.stop_strings is not None and tokenizer is None:
+        return "stop_strings without tokenizer= (stock raises)"
+    stop = (config.stop_strings, tokenizer) if config.stop_strings is not None else None
     suppress = sorted(set(as_id_list(config.suppress_tokens)))
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     compile_step = config.cache_implementation == "static" and not config.disable_compile  # where stock compiles

@@ -183,3 +183,19 @@ def test_serve_smoke(tmp_path):
         assert row["requests"] == row["concurrency"] and row["output_tok_s"] > 0
         assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"] and row["tpot_ms"]["n"] == row["requests"]
     assert res["server_exit_code"] in (0, -15)  # SIGTERM: uvicorn stops cleanly, then re-raises the signal
+
+
+def test_sampling_smoke(tmp_path):
+    """bench/sampling.py on the tiny model (fp32, CPU, every row in one process): the g4ops rows are routed, the
+    stock rows are not, greedy tokens agree, seeded sampled calls repeat."""
+    out = tmp_path / "sampling.json"
+    _run(["bench/sampling.py", "--smoke", "--in-process", "--batches", "2", "--out", str(out)], tmp_path, timeout=480)
+    res = json.loads(out.read_text())
+    rows = {(r["variant"], r["row"], r["batch"]): r for r in res["rows"]}
+    assert all("error" not in r and r["tok_s"] > 0 for r in rows.values()), rows
+    for row in ("greedy-static", "default", "default-compiled"):
+        assert rows[("g4ops", row, 2)]["routed"] and not rows[("stock", row, 2)]["routed"], row
+    assert rows[("g4ops", "ttft", 1)]["routed"] and rows[("g4ops", "ttft", 1)]["ttft_ms"] > 0
+    assert all(r["seed_reproduces"] for r in rows.values() if r["row"] != "greedy-static")
+    same = [c for c in res["comparison"] if c["row"] == "greedy-static"]
+    assert same and all(c["same_tokens_head"] for c in same)
