@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ._torch_version import torch_too_old
+
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 MIN_CAPABILITY = (8, 0)  # bf16 arithmetic and cp.async; everything older is refused with a clear message
 
@@ -85,6 +87,9 @@ def build(verbose: bool = False) -> str:
                 raise KernelBuildError("CUDA is not available to torch: nothing to build (CPU uses the reference)")
             if torch.version.cuda is None:
                 raise KernelBuildError(f"torch {torch.__version__} is a CPU-only build: install a CUDA build of torch")
+            too_old = torch_too_old("the g4ops CUDA kernels")
+            if too_old:
+                raise KernelBuildError(too_old)
             if cpp_extension.CUDA_HOME is None:
                 raise KernelBuildError("no CUDA toolkit found (nvcc): install it or set CUDA_HOME")
             sources = _sources()

@@ -1,5 +1,6 @@
 """The CPU check behind `python -m neuron_backend check`: stock transformers vs the Neuron-shaped model at TP=1
-vs TP=N over gloo, plus the per-bucket export hygiene (the mutated buffers are exactly the KV buffers).
+vs TP=N over gloo (each rank's own build, then the rank-0-built module on every rank, as NxD runs its one traced
+graph), plus the per-bucket export hygiene (the mutated buffers are exactly the KV buffers).
 
 Shapes (random weights, norms and layer scalars randomised; built by g4ops.models):
     tiny-e4b   hidden 64, 6 layers [s,s,f,s,s,f], 4/2 heads, head_dim 16/32, PLE 16, 2 KV-shared, window 8
@@ -99,6 +100,10 @@ class CheckReport:
     divergence: str | None = None  # where stock and TP=1 first disagree, with the top-1/top-2 margins there
     dtype: str = "float32"
     tpn_first_divergence: int | None = None
+    # every rank running the module built as rank 0 (rank 0's Python attributes) with its own shard: NxD's trace
+    rank0_tokens: torch.Tensor | None = None
+    rank0_vs_tp1_logit_diff: float | None = None
+    rank0_first_divergence: int | None = None
     top1_agreement: float = 1.0  # TP=1's greedy tokens vs stock's argmax, teacher-forced on TP=1's sequence
 
     @property
@@ -108,6 +113,15 @@ class CheckReport:
     @property
     def seq_match_tp(self) -> bool | None:
         return None if self.tpn_tokens is None else torch.equal(self.tpn_tokens, self.tp1_tokens)
+
+    @property
+    def seq_match_rank0(self) -> bool | None:
+        return None if self.rank0_tokens is None else torch.equal(self.rank0_tokens, self.tp1_tokens)
+
+    @property
+    def ok(self) -> bool:
+        """Tokens: stock == TP=1 == TP=N, per-rank builds and the rank-0-built module alike."""
+        return self.seq_match_stock and self.seq_match_tp in (True, None) and self.seq_match_rank0 in (True, None)
 
     @property
     def exports_ok(self) -> bool:
@@ -129,10 +143,17 @@ class CheckReport:
         if self.dtype != "float32":
             out.append(f"{self.dtype}: teacher-forced top-1 agreement TP=1 vs stock {self.top1_agreement:.3f}")
         if self.tpn_tokens is not None:
-            where = "" if self.tpn_first_divergence is None else f" up to the first divergence (step {self.tpn_first_divergence})"
+            where = _up_to(self.tpn_first_divergence)
             out.append(
                 f"TP={self.tp} (gloo, {self.tp} processes) vs TP=1: SEQ_MATCH {self.seq_match_tp}; "
                 f"max |logit diff|{where} {self.tpn_vs_tp1_logit_diff:.3g}"
+            )
+        if self.rank0_tokens is not None:
+            where = _up_to(self.rank0_first_divergence)
+            out.append(
+                f"TP={self.tp} one graph: every rank runs the module built as rank 0 with its own shard (what NxD "
+                f"traces once for all cores) vs TP=1: SEQ_MATCH {self.seq_match_rank0}; max |logit diff|{where} "
+                f"{self.rank0_vs_tp1_logit_diff:.3g}"
             )
         for name, bufs in self.aliased_buffers.items():
             out.append(
@@ -140,17 +161,44 @@ class CheckReport:
                 f"{len(bufs)} = KV buffers: {sorted(bufs) == sorted(self.kv_names)}"
             )
         out.append(f"aliased KV buffers ({len(self.kv_names)}): {self.kv_names}")
-        ok = self.seq_match_stock and self.seq_match_tp in (True, None)
-        out.append(f"SEQ_MATCH {ok}  ({self.seconds:.1f} s)")
+        out.append(f"SEQ_MATCH {self.ok}  ({self.seconds:.1f} s)")
         return out
 
 
+def _up_to(first_divergence: int | None) -> str:
+    return "" if first_divergence is None else f" up to the first divergence (step {first_divergence})"
+
+
+def _against_tp1(ranks: list[dict], tp1_tokens, tp1_logits) -> tuple[torch.Tensor, float, int | None]:
+    """(tokens of the TP run, max |logit diff| to TP=1, first step whose token differs or None)."""
+    tokens = ranks[0]["tokens"]
+    if not all(torch.equal(r["tokens"], tokens) for r in ranks):
+        tokens = torch.full_like(tokens, -1)  # ranks disagree: never a match
+    # logits are comparable up to the first differing token (both saw the same prefix until then)
+    upto, first = tp1_tokens.shape[1], None
+    if not torch.equal(tokens, tp1_tokens):
+        first = int((tokens != tp1_tokens).nonzero()[0, 1])
+        upto = first + 1
+    diff = max((r["logits"][:, :upto] - tp1_logits[:, :upto]).abs().max().item() for r in ranks)
+    return tokens, diff, first
+
+
 def run_check(
-    shape: str = "tiny-e4b", tp: int = 2, seed: int = 0, export: bool = True, dtype: torch.dtype = torch.float32
+    shape: str = "tiny-e4b",
+    tp: int = 2,
+    seed: int = 0,
+    export: bool = True,
+    dtype: torch.dtype = torch.float32,
+    setup=None,
 ) -> CheckReport:
     """fp32: tokens must match exactly. bf16: report teacher-forced top-1 agreement and the first divergence
-    (stock rounds differently: bf16 softcap, bf16 row-parallel sums; ours keeps those in fp32)."""
-    from .cpu_tp import run_tp_generate
+    (stock rounds differently: bf16 softcap, bf16 row-parallel sums; ours keeps those in fp32).
+
+    TP=N runs twice in the same gloo processes: each rank building its own module, and every rank running the
+    module built as rank 0 with its own shard (NxD's one traced graph; cpu_tp's "rank0" build). `setup` runs first
+    in each rank process (cpu_tp.run_tp), e.g. a test's mutation.
+    """
+    from .cpu_tp import run_tp
 
     t0 = time.time()
     _, n_prompt, n_new, max_seq, buckets = SHAPES[shape]
@@ -184,17 +232,12 @@ def run_check(
         )
     if tp > 1:
         sn = BuildSettings(tp=tp, max_seq=max_seq, prefill_buckets=buckets, return_logits=True, dtype=dtype)
-        ranks = run_tp_generate(sd, cfg, sn, prompt, n_new)
-        report.tpn_tokens = ranks[0]["tokens"]
-        if not all(torch.equal(r["tokens"], ranks[0]["tokens"]) for r in ranks):
-            report.tpn_tokens = torch.full_like(ranks[0]["tokens"], -1)  # ranks disagree: never a match
-        # logits are comparable up to the first differing token (both saw the same prefix until then)
-        upto = n_new
-        if not torch.equal(report.tpn_tokens, res.tokens):
-            upto = int((report.tpn_tokens != res.tokens).nonzero()[0, 1]) + 1
-            report.tpn_first_divergence = upto - 1
-        report.tpn_vs_tp1_logit_diff = max(
-            (r["logits"][:, :upto] - tp1_logits[:, :upto]).abs().max().item() for r in ranks
+        runs = run_tp(sd, cfg, sn, prompt, n_new, builds=("per_rank", "rank0"), setup=setup)
+        report.tpn_tokens, report.tpn_vs_tp1_logit_diff, report.tpn_first_divergence = _against_tp1(
+            runs["per_rank"], res.tokens, tp1_logits
+        )
+        report.rank0_tokens, report.rank0_vs_tp1_logit_diff, report.rank0_first_divergence = _against_tp1(
+            runs["rank0"], res.tokens, tp1_logits
         )
     if export:
         s_exp = BuildSettings(tp=1, max_seq=max_seq, prefill_buckets=buckets, dtype=dtype)

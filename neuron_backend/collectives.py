@@ -7,6 +7,7 @@
 Implementations:
     SingleRank          TP=1: identity (no casts either, so TP=1 graphs carry no collective at all)
     GlooCollectives     CPU processes over torch.distributed (gloo), the mode AWS uses for CPU runs; eager only
+    RankZeroView        another implementation's collectives with rank 0's `rank` (NxD's one traced graph, on CPU)
     XlaCollectives      torch-xla / Neuron: xm.all_reduce / xm.all_gather with explicit replica groups, traceable
                         into the HLO that neuronx-cc compiles (and that the torch-xla CPU proxy runs)
 """
@@ -57,6 +58,27 @@ class GlooCollectives(Collectives):
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         self._dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+
+class RankZeroView(Collectives):
+    """`comm`'s collectives behind rank 0's Python face: `rank` reads 0 on every rank.
+
+    This is what the module NxD traces sees: ModelBuilder builds and traces it once, as rank 0, and every NeuronCore
+    runs that graph with its own weights. A module that reads its rank from Python is then rank 0 on every core;
+    running it over gloo with this view shows that on CPU (cpu_tp's "rank0" build).
+    """
+
+    rank = 0
+
+    def __init__(self, comm: Collectives):
+        self._comm = comm
+        self.world_size = comm.world_size
+
+    def all_reduce_fp32(self, x):
+        return self._comm.all_reduce_fp32(x)
+
+    def all_gather(self, x, dim):
+        return self._comm.all_gather(x, dim)
 
 
 class XlaCollectives(Collectives):

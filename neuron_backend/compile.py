@@ -76,7 +76,7 @@ def promote_persistent_buffers(module: nn.Module) -> list[str]:
 
 def neuron_module(cfg: TextConfig, settings: BuildSettings, comm) -> NeuronGemma4ForCausalLM:
     """The module NxD traces: KV as aliased-output parameters, persistent buffers promoted to weights."""
-    model = NeuronGemma4ForCausalLM(cfg, settings, comm, rank=0, kv_mode="aliased_outputs").eval()
+    model = NeuronGemma4ForCausalLM(cfg, settings, comm, kv_mode="aliased_outputs").eval()
     promote_persistent_buffers(model)
     return model
 

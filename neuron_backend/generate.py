@@ -80,3 +80,19 @@ def module_step(model) -> Callable:
         return model(ids, start, valid, ple_tokens)
 
     return step
+
+
+def aliased_step(model) -> Callable:
+    """The step function of a kv_mode="aliased_outputs" module (the form NxD traces), run in process: the KV outputs
+    are written back into the KV parameters, as the Neuron runtime does with aliased outputs."""
+    n_kv = len(model.kv_names)
+
+    def step(ids, start, valid, ple_tokens):
+        out = model(ids, start, valid, ple_tokens)
+        with torch.no_grad():
+            for state, new in zip(model.kv_tensors(), out[len(out) - n_kv :]):
+                state.copy_(new)
+        kept = out[: len(out) - n_kv]
+        return kept[0] if len(kept) == 1 else kept
+
+    return step

@@ -186,10 +186,11 @@ def shard_state_dict(
 
 
 def build_rank_model(hf_sd, cfg: TextConfig, settings: BuildSettings, rank: int = 0, comm=None, kv_mode="buffers"):
-    """-> (rank model in eval mode, host PLETokenEmbedding or None, LoadReport)."""
+    """-> (rank model in eval mode, host PLETokenEmbedding or None, LoadReport). The module is the same on every
+    rank; `rank` picks the shard of the weights loaded into it."""
     from .model import NeuronGemma4ForCausalLM, PLETokenEmbedding
 
-    model = NeuronGemma4ForCausalLM(cfg, settings, comm, rank, kv_mode)
+    model = NeuronGemma4ForCausalLM(cfg, settings, comm, kv_mode)
     ple = PLETokenEmbedding(cfg, settings.dtype) if cfg.ple_dim else None
     rank_sd, host_sd, report = shard_state_dict(hf_sd, cfg, settings, rank)
     if kv_mode == "aliased_outputs":  # KV parameters start empty; NxD zero-fills them on device as states

@@ -45,8 +45,8 @@ KV_MODES = ("buffers", "aliased_outputs")
 # Head layout per rank
 
 
-def kv_layout(num_heads: int, kv_heads: int, tp: int, rank: int) -> tuple[int, int, int]:
-    """(first kv head, kv heads held, queries per kv head) of `rank`'s attention shard.
+def kv_shape(num_heads: int, kv_heads: int, tp: int) -> tuple[int, int]:
+    """(kv heads held, queries per kv head) of every rank's attention shard: the same on all ranks.
 
     q heads are split contiguously (num_heads / tp per rank). The kv heads a rank holds are exactly those its q
     heads use, so `num_key_value_groups` keeps its meaning: with tp | kv_heads that is a plain shard (E4B at TP=2:
@@ -61,8 +61,14 @@ def kv_layout(num_heads: int, kv_heads: int, tp: int, rank: int) -> tuple[int, i
         kv_local = 1
     else:
         raise ValueError(f"neuron_backend: {q_local} q heads per rank cannot map onto whole kv groups of {groups}")
-    first = (rank * q_local) // groups
-    return first, kv_local, q_local // kv_local
+    return kv_local, q_local // kv_local
+
+
+def kv_layout(num_heads: int, kv_heads: int, tp: int, rank: int) -> tuple[int, int, int]:
+    """(first kv head, kv heads held, queries per kv head) of `rank`'s attention shard (the loader's cut)."""
+    kv_local, n_rep = kv_shape(num_heads, kv_heads, tp)
+    groups = num_heads // kv_heads
+    return (rank * divide(num_heads, tp, "num_attention_heads")) // groups, kv_local, n_rep
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -149,7 +155,7 @@ def _norm_weight(dim: int, dtype) -> nn.Parameter:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: TextConfig, layer: int, settings: BuildSettings, comm: Collectives, rank: int):
+    def __init__(self, cfg: TextConfig, layer: int, settings: BuildSettings, comm: Collectives):
         super().__init__()
         dt, hidden = settings.dtype, cfg.hidden_size
         self.layer_type = cfg.layer_types[layer]
@@ -157,7 +163,7 @@ class Attention(nn.Module):
         self.owner = cfg.is_kv_owner(layer)
         self.k_eq_v = cfg.k_eq_v[layer]
         self.eps = cfg.rms_norm_eps
-        _, self.kv_local, self.n_rep = kv_layout(cfg.num_heads, cfg.kv_heads[layer], settings.tp, rank)
+        self.kv_local, self.n_rep = kv_shape(cfg.num_heads, cfg.kv_heads[layer], settings.tp)
         self.q_local = self.kv_local * self.n_rep
         self.q_proj = ColumnParallelLinear(hidden, self.q_local * d, dt)
         self.q_norm = _norm_weight(d, dt)
@@ -214,11 +220,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer: int, settings: BuildSettings, comm: Collectives, rank: int):
+    def __init__(self, cfg: TextConfig, layer: int, settings: BuildSettings, comm: Collectives):
         super().__init__()
         dt, hidden = settings.dtype, cfg.hidden_size
         self.eps = cfg.rms_norm_eps
-        self.self_attn = Attention(cfg, layer, settings, comm, rank)
+        self.self_attn = Attention(cfg, layer, settings, comm)
         inter_local = divide(cfg.intermediate_sizes[layer], settings.tp, f"intermediate_size of layer {layer}")
         self.mlp = MLP(hidden, inter_local, dt, comm)
         self.input_layernorm = _norm_weight(hidden, dt)
@@ -249,14 +255,19 @@ class DecoderLayer(nn.Module):
 
 
 class NeuronGemma4ForCausalLM(nn.Module):
-    """One TP rank of a Gemma-4 text decoder with a static, device-resident KV cache. See the module docstring."""
+    """One TP rank of a Gemma-4 text decoder with a static, device-resident KV cache. See the module docstring.
+
+    The module never learns its rank: every Python attribute is the same on all ranks, and whatever differs between
+    ranks (the shard's weights, the first vocab id of the shard) is a tensor the loader fills. NxD traces the module
+    once and runs that one graph on every NeuronCore with each core's weights, so a rank baked into Python would be
+    rank 0's everywhere (`python -m neuron_backend check` runs the rank-0-built module on every rank to catch it).
+    """
 
     def __init__(
         self,
         cfg: TextConfig,
         settings: BuildSettings,
         comm: Collectives | None = None,
-        rank: int = 0,
         kv_mode: str = "buffers",
     ):
         super().__init__()
@@ -277,7 +288,7 @@ class NeuronGemma4ForCausalLM(nn.Module):
                 torch.empty(cfg.num_layers * cfg.ple_dim, hidden, dtype=dt), requires_grad=False
             )
             self.per_layer_projection_norm = _norm_weight(cfg.ple_dim, dt)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, settings, comm, rank) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, settings, comm) for i in range(cfg.num_layers))
         self.norm = _norm_weight(hidden, dt)
         self.lm_head = VocabParallelLMHead(
             self.embed_tokens if cfg.tie_word_embeddings else None,

@@ -144,3 +144,26 @@ def test_real_e4b_layout_at_tp2_on_meta():
     assert not hasattr(m.layers[30].self_attn, "k_proj")  # KV-shared layers own no K/V weights or buffers
     weight_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
     assert 4.5e9 < weight_bytes < 5.0e9
+
+
+def test_real_e4b_at_tp1_fits_one_core_on_meta():
+    """README's TP=1 estimate: the real E4B text config at TP=1 (meta device) holds ~9.3 GB of bf16 weights, and
+    its KV bytes are the sliding rings (window slots) plus full layers (max_seq slots) of the 24 owning layers;
+    weights + KV at 32k context stay under one NeuronCore's 16 GiB with room to spare."""
+    from g4ops.models import text_config
+
+    from neuron_backend.compile import _ShapeOnly
+    from neuron_backend.config import SLIDING
+    from neuron_backend.model import NeuronGemma4ForCausalLM
+
+    cfg = from_hf_config(text_config("e4b"))
+    for max_seq in (512, 32768):
+        s = BuildSettings(tp=1, max_seq=max_seq, dtype=torch.bfloat16)
+        with torch.device("meta"):
+            m = NeuronGemma4ForCausalLM(cfg, s, _ShapeOnly(1))
+        kv = sum(t.numel() * t.element_size() for t in m.kv_tensors())
+        slots = {i: cfg.sliding_window if cfg.layer_types[i] == SLIDING else max_seq for i in cfg.kv_owner_layers}
+        assert kv == sum(2 * cfg.kv_heads[i] * n * cfg.head_dims[i] * 2 for i, n in slots.items())  # K+V, bf16
+        weights = sum(p.numel() * p.element_size() for p in m.parameters())
+        assert 9.0e9 < weights < 9.5e9
+        assert weights + kv < 0.6 * 16 * 2**30
