@@ -136,9 +136,10 @@ def test_stop_strings_max_time_and_return_dict_like_stock(model, routing):
     ids, mask = _prompts()
     free = _gen(model, ids, mask, eos_token_id=1, min_new_tokens=NEW)
     n = ids.shape[1]
-    # a printable byte token of row 0 (ids 256 + byte in the tiny tokenizer) as the stop string
-    j = next(j for j in range(2, NEW - 1) if 256 + 33 <= int(free[0, n + j]) < 256 + 127)
-    stop = tok.decode(free[0, n + j : n + j + 1])
+    # a printable byte token (ids 256 + byte in the tiny tokenizer) that some row makes as the stop string
+    printable = (free[:, n + 1 : n + NEW - 1] >= 256 + 33) & (free[:, n + 1 : n + NEW - 1] < 256 + 127)
+    row, j = (int(i) for i in printable.nonzero()[0])
+    stop = tok.decode(free[row, n + 1 + j : n + 2 + j])
     cases = [dict(stop_strings=["zz", stop], tokenizer=tok, eos_token_id=1), dict(max_time=0.0, eos_token_id=1),
              dict(return_dict_in_generate=True, eos_token_id=1),
              dict(max_length=n + 3, min_length=n + 2, eos_token_id=[1, int(free[0, n])])]  # fmt: skip
@@ -151,8 +152,8 @@ def test_stop_strings_max_time_and_return_dict_like_stock(model, routing):
             assert type(out) is type(ref) and out.scores is None
             out, ref = out.sequences, ref.sequences
         assert torch.equal(out, ref), (kw, out, ref)
-    first = int(((free[0, n:] != 0) & torch.tensor([tok.decode(t) == stop for t in free[0, n:]])).float().argmax())
-    assert (refs[0][0, n + first + 1 :] == 0).all() and refs[1].shape[1] == n + 1  # the stops did stop
+    first = next(i for i in range(NEW) if tok.decode(free[row, n + i : n + i + 1]) == stop)
+    assert (refs[0][row, n + first + 1 :] == 0).all() and refs[1].shape[1] == n + 1  # the stops did stop
 
 
 @pytest.mark.parametrize(
