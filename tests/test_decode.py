@@ -157,6 +157,25 @@ def test_cuda_graph_replay_matches_eager_steps(dtype):
         _assert_stock_argmax(model, out, ids.shape[1])
 
 
+def test_per_row_sampling_settings():
+    """One value per row: a top_k=1 row is greedy search whatever the others do; a seed repeats the draws; a bad
+    value is refused naming the parameter."""
+    model = build_model("tiny-e4b")
+    ids = _prompt(model)
+    decoder = GreedyDecoder(model, batch_size=2, max_length=48)
+    greedy = decoder.generate(ids, 12)
+    rows = dict(do_sample=True, temperature=torch.tensor([0.7, 1.5]), top_k=torch.tensor([1, 0]),
+                top_p=torch.tensor([1.0, 0.9], dtype=torch.float64), min_p=torch.tensor([0.0, 0.02]))  # fmt: skip
+    torch.manual_seed(3)
+    a = decoder.generate(ids, 12, **rows)
+    assert decoder.mode == ("sample", None, True, True, True)  # a row without top-k: the full sort
+    torch.manual_seed(3)
+    assert torch.equal(decoder.generate(ids, 12, **rows), a) and torch.equal(a[0], greedy[0])
+    assert not torch.equal(a[1], greedy[1])
+    with pytest.raises(ValueError, match="top_p must be in"):
+        decoder.generate(ids, 4, do_sample=True, top_p=torch.tensor([0.5, 1.5]))
+
+
 def test_suppress_tokens_like_generate():
     from transformers import GenerationConfig
 

@@ -84,7 +84,7 @@ def test_checkpoint_sampling_config_routes_and_reproduces_with_seed(model, routi
         for seed in (5, 5, 6):
             torch.manual_seed(seed)
             runs.setdefault(seed, []).append(_gen(model, ids, mask))
-        assert _routed(model) and vars(model)["_g4ops_decoder"][1].mode == ("sample", 64)
+        assert _routed(model) and vars(model)["_g4ops_decoder"][1].mode == ("sample", 64, True, True, False)
         assert torch.equal(runs[5][0], runs[5][1]) and not torch.equal(runs[5][0], runs[6][0])
         assert torch.equal(_gen(model, ids, mask, top_k=1), greedy_ref)  # top_k=1 sampling is greedy search
     finally:
@@ -291,7 +291,7 @@ def test_cuda_sampled_generate_is_graphed_and_seeded(dtype):
             torch.manual_seed(seed)
             runs.append(_gen(model, ids, mask, max_new_tokens=40, **E4B_IT))
         decoder = vars(model)["_g4ops_decoder"][1]
-        assert decoder.graph is not None and decoder.mode == ("sample", 64)
+        assert decoder.graph is not None and decoder.mode == ("sample", 64, True, True, False)
         assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
         greedy = _gen(model, ids, mask, max_new_tokens=40, do_sample=False, eos_token_id=1)
         assert torch.equal(_gen(model, ids, mask, max_new_tokens=40, **dict(E4B_IT, top_k=1, eos_token_id=1)),

@@ -82,6 +82,16 @@ def test_warp_equals_transformers_warpers_hypothesis(v, b, levels, seed, tempera
     assert torch.equal(warp(x, **_rows(b, "cpu", temperature, top_k, top_p, min_p), min_tokens_to_keep=keep), ref)
 
 
+@pytest.mark.parametrize("off, value", [("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)])
+def test_none_is_off_on_every_row(off, value):
+    x = _logits(3, 257, seed=9)
+    setting = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05)
+    rows = _rows(3, "cpu", **setting)
+    rows[off] = torch.full((3,), value, dtype=rows[off].dtype)
+    ref = _hf_warp(x.clone(), **dict(setting, **{off: None if off == "min_p" else value}))
+    assert torch.equal(warp(x, **rows), ref) and torch.equal(warp(x, **dict(rows, **{off: None})), ref)
+
+
 def test_top_p_boundary_is_inclusive_as_transformers():
     x = torch.zeros(1, 4)  # probabilities 1/4 each, cumulative sums exact
     for top_p, kept in [(0.5, 2), (0.75, 3), (0.74, 3), (0.76, 4), (0.25, 1), (0.2, 1)]:

@@ -38,7 +38,7 @@ import torch
 
 from .. import ops
 from .cache import GraphKVCache, text_attentions
-from .sampler import sample
+from .sampler import check_params, sample
 
 DECODE_ATTENTION = "g4ops_graph_decode"  # the attention implementation name the step's configs carry
 K_CAPS = (64, 256, 1024)  # top-k candidate sizes a sampling graph may use for the threshold (exact: sampler.warp)
@@ -117,7 +117,9 @@ class Decoder:
         self.top_p = torch.ones(batch_size, dtype=torch.float64, device=dev)
         self.min_p = torch.zeros(batch_size, device=dev)
         self.greedy_rows = torch.zeros(batch_size, dtype=torch.bool, device=dev)
-        self.mode = ("greedy", None)  # ("greedy", None) or ("sample", k_cap or None): static, one graph each
+        # ("greedy",) or ("sample", k_cap or None, top-k on, top-p on, min-p on): static, one graph each (a warper
+        # no row uses is left out of the graph, as generate leaves it out of its list)
+        self.mode = ("greedy",)
         self.step_fn = torch.compile(self._step, fullgraph=True) if compile else self._step
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns until 5.40)
@@ -163,10 +165,11 @@ class Decoder:
             last = last.index_fill(-1, self.suppress, float("-inf"))
         held = last.index_fill(-1, self.hold_ids, float("-inf"))
         scores = torch.where(generated < self.hold_until, held, last)
-        kind, k_cap = self.mode
-        if kind == "greedy":
+        if self.mode[0] == "greedy":
             return scores.argmax(dim=-1)  # the first maximum, as generate
-        return sample(scores, self.temperature, self.top_k, self.top_p, self.min_p, self.greedy_rows, k_cap=k_cap)
+        _, k_cap, top_k_on, top_p_on, min_p_on = self.mode
+        return sample(scores, self.temperature, self.top_k if top_k_on else None, self.top_p if top_p_on else None,
+                      self.min_p if min_p_on else None, self.greedy_rows, k_cap=k_cap)  # fmt: skip
 
     def _step(self):
         """Decode the token in `next_ids` at `position`; leaves the next token in `next_ids` and in `out`."""
@@ -233,7 +236,7 @@ class Decoder:
     def _set_sampling(self, do_sample: bool, temperature, top_k, top_p, min_p) -> None:
         """Copy one call's sampling settings (scalars or [B] per row) into the step's buffers; choose the mode."""
         if not do_sample:
-            self.mode = ("greedy", None)
+            self.mode = ("greedy",)
             return
         b = self.batch
 
@@ -241,21 +244,20 @@ class Decoder:
             t = torch.as_tensor(value, dtype=dtype)
             if t.dim() > 1 or (t.dim() == 1 and t.shape[0] != b):
                 raise ValueError(f"Decoder: {name} must be a number or [batch={b}] values, got {list(t.shape)}")
-            return t.expand(b).to(self.device)
+            return t.cpu().expand(b)  # on the host: checked and read there, then copied into the step's buffers
 
         values = dict(temperature=rows(temperature, "temperature", torch.float32),
-                      top_k=rows(top_k or 0, "top_k", torch.long),
-                      top_p=rows(1.0 if top_p is None else top_p, "top_p", torch.float64),  # fmt: skip
-                      min_p=rows(min_p or 0.0, "min_p", torch.float32))  # fmt: skip
-        from .sampler import check_params
-
-        check_params(**values)  # once per call (it syncs)
+                      top_k=rows(0 if top_k is None else top_k, "top_k", torch.long),
+                      top_p=rows(1.0 if top_p is None else top_p, "top_p", torch.float64),
+                      min_p=rows(0.0 if min_p is None else min_p, "min_p", torch.float32))  # fmt: skip
+        check_params(**values)
         for name, t in values.items():
             getattr(self, name).copy_(t)
         self.greedy_rows.zero_()
-        ks = as_id_list(values["top_k"].cpu())
+        ks = as_id_list(values["top_k"])
         k_cap = next((c for c in K_CAPS if all(0 < k <= c for k in ks)), None)
-        self.mode = ("sample", k_cap)
+        on = (any(k > 0 for k in ks), bool((values["top_p"] < 1).any()), bool((values["min_p"] > 0).any()))
+        self.mode = ("sample", k_cap, *on)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None, pad_token_id: int = 0,

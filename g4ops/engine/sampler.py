@@ -4,7 +4,8 @@ Semantics are transformers' sampling, row by row (transformers/generation/logits
 `_get_logits_processor` / `_sample`, 5.6 to 5.24): on the fp32 logits (softcapped, after any other processor),
 TemperatureLogitsWarper, then TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper, in that order, each with
 `min_tokens_to_keep`; filtered entries become -inf; the token is drawn from softmax of what is left. A row's
-`top_k <= 0`, `top_p >= 1` and `min_p <= 0` switch that warper off, as generate leaves it out of the list.
+`top_k <= 0`, `top_p >= 1` and `min_p <= 0` switch that warper off, as generate leaves it out of the list; a
+parameter given as None switches it off for every row and skips its work (a host decision, e.g. a graph per set).
 
 `warp` runs transformers' own tensor operations on the same values, so its output equals the warpers' bit for bit on
 the same device, ties included: top-p sorts the top-k-filtered scores with the same (unstable) `torch.sort` call,
@@ -38,12 +39,12 @@ def _row(t: torch.Tensor, b: int, name: str, dtype: torch.dtype, device) -> torc
     return t.to(dtype)
 
 
-def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-         min_p: torch.Tensor, min_tokens_to_keep: int = 1, *, k_cap: int | None = None) -> torch.Tensor:  # fmt: skip
+def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+         min_p: torch.Tensor | None, min_tokens_to_keep: int = 1, *, k_cap: int | None = None) -> torch.Tensor:  # fmt: skip
     """logits [B, V] (fp32) -> fp32 [B, V]: the warped logits, filtered entries -inf (HF's warpers, row by row).
 
     temperature [B] (> 0), top_k [B] int (<= 0: off), top_p [B] float (>= 1: off; fp64 keeps a Python float's
-    `1 - top_p` exact), min_p [B] float (<= 0: off). `k_cap`: a static bound with 1 <= top_k <= k_cap on every
+    `1 - top_p` exact), min_p [B] float (<= 0: off); None: off on every row. `k_cap`: a static bound with 1 <= top_k <= k_cap on every
     row that uses top-k (rows beyond it are the caller's error and get the k_cap-th value as threshold)."""
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a floating [batch, vocab] tensor, got {logits.dtype} {list(logits.shape)}")
@@ -54,9 +55,9 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     b, v = logits.shape
     dev = logits.device
     temperature = _row(temperature, b, "temperature", torch.float32, dev)
-    top_k = _row(top_k, b, "top_k", torch.long, dev)
-    top_p64 = _row(top_p, b, "top_p", torch.float64, dev)
-    min_p = _row(min_p, b, "min_p", torch.float32, dev)
+    top_k = None if top_k is None else _row(top_k, b, "top_k", torch.long, dev)
+    top_p64 = None if top_p is None else _row(top_p, b, "top_p", torch.float64, dev)
+    min_p = None if min_p is None else _row(min_p, b, "min_p", torch.float32, dev)
     scores = logits.float()
     keep = min(min_tokens_to_keep, v)
 
@@ -64,31 +65,35 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
     scores = scores * (1.0 / temperature)[:, None] if dev.type == "cuda" else scores / temperature[:, None]
 
     # top-k: keep every score >= the k-th largest, k = max(top_k, min_tokens_to_keep) clipped to the vocabulary
-    k = top_k.clamp(min=keep, max=v)
-    if k_cap is not None:
-        top = torch.topk(scores, min(k_cap, v), dim=-1).values  # descending
-        kth = top.gather(1, (k.clamp(max=top.shape[1]) - 1)[:, None])
-    else:
-        kth = torch.sort(scores, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
-    scores = scores.masked_fill((scores < kth) & (top_k > 0)[:, None], float("-inf"))
+    if top_k is not None:
+        k = top_k.clamp(min=keep, max=v)
+        if k_cap is not None:
+            top = torch.topk(scores, min(k_cap, v), dim=-1).values  # descending
+            kth = top.gather(1, (k.clamp(max=top.shape[1]) - 1)[:, None])
+        else:
+            kth = torch.sort(scores, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        scores = scores.masked_fill((scores < kth) & (top_k > 0)[:, None], float("-inf"))
 
     # top-p: TopPLogitsWarper's own operations on the top-k-filtered scores
-    sorted_logits, sorted_indices = torch.sort(scores, descending=False)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove = cumulative <= (1 - top_p64).to(torch.float32)[:, None]
-    remove[..., -keep:] = False
-    remove &= (top_p64 < 1)[:, None]
-    scores = scores.masked_fill(remove.scatter(1, sorted_indices, remove), float("-inf"))
+    if top_p64 is not None:
+        sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p64).to(torch.float32)[:, None]
+        remove[..., -keep:] = False
+        remove &= (top_p64 < 1)[:, None]
+        scores = scores.masked_fill(remove.scatter(1, sorted_indices, remove), float("-inf"))
 
     # min-p: MinPLogitsWarper's (threshold 0 removes nothing, so no switch is needed)
-    probs = scores.softmax(dim=-1)
-    remove = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-    remove.scatter_(-1, torch.topk(probs, keep, dim=-1).indices, False)
-    return scores.masked_fill(remove, float("-inf"))
+    if min_p is not None:
+        probs = scores.softmax(dim=-1)
+        remove = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        remove.scatter_(-1, torch.topk(probs, keep, dim=-1).indices, False)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           min_p: torch.Tensor, greedy: torch.Tensor, noise: torch.Tensor | None = None, *,
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+           min_p: torch.Tensor | None, greedy: torch.Tensor, noise: torch.Tensor | None = None, *,
            min_tokens_to_keep: int = 1, k_cap: int | None = None) -> torch.Tensor:  # fmt: skip
     """logits [B, V] -> [B] int64 tokens. Rows with `greedy` [B] bool take the first argmax of `logits` (as greedy
     search does; their temperature may be 0); the others draw from softmax(warp(...)). `noise`: [B, V] Exp(1)
