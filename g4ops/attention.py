@@ -307,7 +307,8 @@ def attention(
 # only a 512-token band is visible: at 8192 tokens ~9 ms fwd+bwd per layer on the H200, 35 such layers in E4B. The
 # chunked GEMM path above is exact but slower than cuDNN there. FlexAttention with a block mask skips the blocks
 # outside the band, and Inductor compiles it into one flash-style Triton kernel per direction (bf16 P like cuDNN's).
-# It only runs fused under torch.compile and has no CPU backward, so `flex_sliding_usable` gates it.
+# It only runs fused under torch.compile, and compiled it is trusted on CUDA only (`_flex_compiled_trusted`), so
+# `flex_sliding_usable` gates it.
 
 
 def _band(offset: int, window: int):
@@ -320,6 +321,30 @@ def _band(offset: int, window: int):
     return mask_mod
 
 
+def band_block_mask(q_len: int, kv_len: int, window: int, device):
+    """The BlockMask `sliding_window_attention` runs with: the band of `attention(..., window=window)` for L queries
+    at the last positions of S keys; blocks wholly outside it are left out."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    # a symbolic offset (torch.compile's dynamic shapes) inside mask_mod fails Inductor's lowering (torch 2.13):
+    # training calls have L == S, so pass a plain 0 there (one guard on L == S)
+    offset = 0 if kv_len == q_len else kv_len - q_len
+    return create_block_mask(_band(offset, window), None, None, q_len, kv_len, device=device)
+
+
+def _flex_compiled_trusted(query: torch.Tensor) -> bool:
+    """Whether Inductor's compiled FlexAttention gives right numbers on query's device: CUDA only (checked on the
+    H200, tests/test_attention.py). On CPU, torch 2.13's compiled forward is wrong on AVX2 (AMD EPYC, 2026-12-01;
+    plain torch flex_attention, without g4ops, too): with head_dim 8 or 16 and L = S <= 128 (one block),
+    L = 8 mod 16 (24, 40, 56, ...), query rows 0-7 came out as zeros, NaN or off by O(1) (in our runs in the heads
+    of the last kv head). Cause: Inductor's CPU micro-GEMM for q k^T (cpp_micro_gemm.py, CppMicroGemmFP32Vec, the
+    transposed-B N-tail kernel) takes its full-tile branch when the 8-key tail is one AVX2 vector and computes 16
+    columns: it reads 8 keys past the block (past the key tensor's end for the last head) and writes 8 scores past
+    the score buffer, over the running row maxima of rows 0-7. AVX-512 (16-float vectors) never takes that branch.
+    CPU therefore keeps the stock dense-mask path."""
+    return query.is_cuda
+
+
 FLEX_MIN_CAPABILITY = (9, 0)  # measured and tested on the H200 only; the head_dim-256 backward needs Hopper's shared
 # memory, and on smaller GPUs Triton may fail to fit the kernel: those keep stock's path
 
@@ -330,9 +355,10 @@ def _flex_checked_gpu(device_index: int) -> bool:
 
 
 def flex_sliding_usable(query: torch.Tensor) -> bool:
-    """FlexAttention is the faster sliding path only where it compiles into its fused kernel: CUDA, inside
-    torch.compile (eager flex_attention materializes the full score matrix), on a GPU of the kind it was checked on."""
-    if not (query.is_cuda and torch.compiler.is_compiling()):
+    """FlexAttention is the faster sliding path only where it compiles into its fused kernel and that kernel is
+    trusted: inside torch.compile (eager flex_attention materializes the full score matrix), on CUDA, on a GPU of the
+    kind it was checked on."""
+    if not (_flex_compiled_trusted(query) and torch.compiler.is_compiling()):
         return False
     index = query.device.index
     return _flex_checked_gpu(torch.cuda.current_device() if index is None else index)
@@ -342,17 +368,19 @@ def sliding_window_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, window: int
 ) -> torch.Tensor:
     """Same semantics and shapes as `attention(..., window=window)`, computed by FlexAttention with a block-sparse
-    band mask (blocks wholly outside the window are skipped). Returns [B, Hq, L, Dv]."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    band mask (blocks wholly outside the window are skipped). Returns [B, Hq, L, Dv]. Under torch.compile where the
+    compiled kernel is not trusted (`_flex_compiled_trusted`: CPU) it computes `attention(..., window=window)`
+    instead; eager FlexAttention (its reference path, slow) runs anywhere."""
+    from torch.nn.attention.flex_attention import flex_attention
 
     if window is None:
         raise ValueError("g4ops.sliding_window_attention: window must be a positive int, got None")
     _check(query, key, value, window, CHUNK)
-    q_len, kv_len = query.shape[2], key.shape[2]
-    # a symbolic offset (torch.compile's dynamic shapes) inside mask_mod fails Inductor's lowering (torch 2.13):
-    # training calls have L == S, so pass a plain 0 there (one guard on L == S)
-    offset = 0 if kv_len == q_len else kv_len - q_len
-    block_mask = create_block_mask(_band(offset, window), None, None, q_len, kv_len, device=query.device)
+    if torch.compiler.is_compiling() and not _flex_compiled_trusted(query):
+        # not a raise: without fullgraph Dynamo would skip this frame and still compile flex_attention's own frame,
+        # the wrong kernel (measured)
+        return attention(query, key, value, scale, window=window)
+    block_mask = band_block_mask(query.shape[2], key.shape[2], window, query.device)
     return flex_attention(
         query, key, value, block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
     )

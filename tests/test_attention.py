@@ -186,7 +186,8 @@ def test_bf16_tensor_core_numerics_no_worse_than_stock_math(config):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Sliding layers through FlexAttention (compiled, CUDA; CPU has only its forward, in eager).
+# Sliding layers through FlexAttention (compiled, CUDA; CPU has only its forward, in eager: compiled CPU FlexAttention
+# is wrong on AVX2, g4ops/attention.py `_flex_compiled_trusted`).
 
 # (dtype, (B, Hq, Hkv, L, S, D, window)): each case compiles its own Triton kernels (about a minute on the H200), so
 # few: GQA 4:1 with a window of 3 in fp32, queries after a cache (L < S), and the E4B sliding layer in bf16.
@@ -218,8 +219,10 @@ def test_flex_sliding_matches_fp64_oracle_and_is_no_worse_than_stock_sdpa(dtype,
     )
 
 
+# (B, Hq, Hkv, L, S, D, window); L 40 and 56 with D 16 and window 8: where the compiled AVX2 kernel was wrong
 @pytest.mark.parametrize("config", [(2, 4, 1, 7, 7, 16, 3), (1, 4, 2, 9, 20, 16, 5), (1, 8, 2, 300, 300, 32, 64),
-                                    (1, 2, 2, 40, 40, 16, 100)], ids=lambda c: "B{}-H{}x{}-L{}-S{}-D{}-w{}".format(*c))
+                                    (1, 2, 2, 40, 40, 16, 100), (1, 4, 2, 40, 40, 16, 8), (1, 4, 2, 56, 56, 16, 8)],
+                         ids=lambda c: "B{}-H{}x{}-L{}-S{}-D{}-w{}".format(*c))
 def test_flex_sliding_forward_matches_fp64_oracle_on_cpu(config):
     b, hq, hkv, q_len, kv_len, d, window = config
     gen = _gen(11)
@@ -232,17 +235,80 @@ def test_flex_sliding_forward_matches_fp64_oracle_on_cpu(config):
     assert O.rel_err(out, ref) <= 1e-12
 
 
-def test_flex_sliding_compiles_across_sequence_lengths():
+def _listed_blocks(num_blocks: torch.Tensor, indices: torch.Tensor, kv_blocks: int) -> torch.Tensor:
+    """[q blocks, kv blocks] bool from a BlockMask's (num, indices) pair of batch 0, head 0."""
+    listed = torch.zeros(num_blocks.shape[-1], kv_blocks, dtype=torch.bool)
+    for row, (count, cols) in enumerate(zip(num_blocks[0, 0].tolist(), indices[0, 0].tolist())):
+        listed[row, cols[:count]] = True
+    return listed
+
+
+# (L, S, window): lengths off the 128-token block size (one block, a partial last block, L = 8 mod 16 as the AVX2
+# failure), windows inside one block, across blocks and wider than L, queries after a cache (L < S)
+BAND_CASES = [(40, 40, 8), (56, 56, 8), (7, 7, 3), (300, 300, 64), (1030, 1030, 512), (300, 300, 129), (9, 20, 5),
+              (130, 300, 100), (61, 61, 100)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", BAND_CASES, ids=lambda c: "L{}-S{}-w{}".format(*c))
+def test_band_block_mask_is_the_dense_band(device, case):
+    """The BlockMask FlexAttention runs with: its mask_mod is the band token for token (`visible`), every block with
+    a visible pair is listed, a block listed as full (where flex_attention skips the mask_mod) is visible entirely,
+    and a partial block has a visible pair. Kernels on CUDA and the eager path on CPU compute from these."""
+    q_len, kv_len, window = case
+    block_mask = attention_module.band_block_mask(q_len, kv_len, window, device)
+    band = visible(q_len, kv_len, window).to(device)
+    q_idx = torch.arange(q_len, device=device)[:, None]
+    kv_idx = torch.arange(kv_len, device=device)[None, :]
+    assert torch.equal(block_mask.mask_mod(0, 0, q_idx, kv_idx).expand_as(band), band)
+
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    rows, cols = -(-q_len // q_block), -(-kv_len // kv_block)
+    padded = torch.zeros(rows * q_block, cols * kv_block, dtype=torch.bool)
+    padded[:q_len, :kv_len] = band.cpu()
+    tiles = padded.view(rows, q_block, cols, kv_block).transpose(1, 2)
+    any_seen, all_seen = tiles.any((-1, -2)), tiles.all((-1, -2))
+    # all_seen of a tile cut by the sequence end counts the padding as unseen; such a tile is never full
+    partial = _listed_blocks(block_mask.kv_num_blocks.cpu(), block_mask.kv_indices.cpu(), cols)
+    full = _listed_blocks(block_mask.full_kv_num_blocks.cpu(), block_mask.full_kv_indices.cpu(), cols)
+    assert not (partial & full).any(), "a block listed both partial and full"
+    assert torch.equal(partial | full, any_seen), "listed blocks != blocks with a visible pair"
+    assert torch.equal(full, all_seen), "full blocks != wholly visible blocks"
+
+
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks"])
+def test_compiled_sliding_window_attention_on_cpu_is_exact(fullgraph):
+    """Compiled CPU FlexAttention returned zero/NaN rows on AVX2 at L 40 and 56 (torch 2.13, AMD EPYC): compiled on
+    CPU, sliding_window_attention computes the chunked kernel instead, exact at L 56 (head_dim 16, window 8: a case
+    the AVX2 kernel got wrong), with and without fullgraph; and the model's gate says "not usable"."""
+    gen = _gen(12)
+    q, k, v = (transformer_view(1, 56, h, 16, torch.float32, gen, "cpu") for h in (4, 2, 2))
+    v = O.make_tensor((1, 56, 2, 24), torch.float32, gen).transpose(1, 2)  # value head_dim != query's
+    ref = oracle(q, k, v, 1.0, 8, torch.ones(1, 4, 56, 24))[0]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(attention_module.sliding_window_attention, fullgraph=fullgraph)(q, k, v, 1.0, 8)
+    assert O.rel_err(out, ref) <= O.tolerance(torch.float32, 8 * 16)
+
+    torch._dynamo.reset()
+    gate = torch.compile(lambda x: x + 1 if attention_module.flex_sliding_usable(x) else x - 1, fullgraph=True)
+    assert torch.equal(gate(q), q - 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_flex_sliding_compiles_across_sequence_lengths_on_cuda():
     """The second length recompiles with symbolic shapes; an offset expression inside the mask_mod failed Inductor's
-    lowering there (torch 2.13, CPU forward: the only FlexAttention compile CPU has)."""
+    lowering there (torch 2.13). Lengths off the 128-token block size, the ones CPU's AVX2 kernel got wrong among
+    them, and one over several blocks (a partial last block)."""
     torch._dynamo.reset()
     compiled = torch.compile(attention_module.sliding_window_attention, fullgraph=True)
     gen = _gen(12)
-    for length in (40, 56, 72):
-        q, k, v = (transformer_view(1, length, h, 16, torch.float32, gen, "cpu") for h in (4, 2, 2))
+    for length in (40, 56, 72, 300):
+        q, k, v = (transformer_view(1, length, h, 16, torch.float32, gen, "cuda") for h in (4, 2, 2))
         with torch.no_grad():
             out = compiled(q, k, v, 1.0, 8)
-        assert O.rel_err(out, attention(q, k, v, 1.0, 8)) <= O.tolerance(torch.float32, 8 * 16)
+        assert O.rel_err(out, attention(q, k, v, 1.0, 8)) <= O.tolerance(torch.float32, 8 * 16), length
 
 
 @pytest.mark.parametrize("capability, usable", [((9, 0), True), ((8, 0), False)])
@@ -446,6 +512,20 @@ def kernel_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def flex_calls(monkeypatch):
+    """The window of every sliding_window_attention call (the integration imports it from the module at call time)."""
+    calls = []
+    real = attention_module.sliding_window_attention
+
+    def spy(query, key, value, scale, window):
+        calls.append(window)
+        return real(query, key, value, scale, window)
+
+    monkeypatch.setattr(attention_module, "sliding_window_attention", spy)
+    return calls
+
+
 def _tokens(vocab: int, shape=(2, 21), seed=0) -> torch.Tensor:
     return torch.randint(3, vocab, shape, generator=_gen(seed))
 
@@ -517,15 +597,7 @@ def test_compiled_fullgraph_model_with_g4ops_attention(kernel_calls):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_compiled_cuda_model_runs_sliding_layers_on_flex(kernel_calls, monkeypatch):
-    flex_calls = []
-    real = attention_module.sliding_window_attention
-
-    def spy(query, key, value, scale, window):
-        flex_calls.append(window)
-        return real(query, key, value, scale, window)
-
-    monkeypatch.setattr(attention_module, "sliding_window_attention", spy)
+def test_compiled_cuda_model_runs_sliding_layers_on_flex(kernel_calls, flex_calls):
     model = build_model("tiny-e4b").cuda().train()
     ids = _tokens(model.config.vocab_size).cuda()  # 21 tokens > the sliding window of 8
     stock = _loss_and_grads(model, ids)
@@ -535,6 +607,27 @@ def test_compiled_cuda_model_runs_sliding_layers_on_flex(kernel_calls, monkeypat
     assert flex_calls and set(flex_calls) == {model.config.sliding_window}, flex_calls
     assert kernel_calls  # the full layers: the chunked kernel
     _assert_same_model_outputs(stock, (logits, loss, {k.removeprefix("_orig_mod."): v for k, v in grads.items()}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_model_with_g4ops_attention_matches_stock_where_cpu_flex_was_wrong(device, kernel_calls, flex_calls):
+    """A compiled model with attention=True gives stock's logits at a length compiled CPU FlexAttention got wrong on
+    AVX2 (56 tokens; the tiny model's sliding layers have head_dim 16): on CPU its sliding layers keep stock sdpa (no
+    FlexAttention call), on CUDA they run FlexAttention. Forward only, one compile: the choice does not depend on
+    grad mode (compiled training steps: the tests below)."""
+    model = build_model("tiny-e4b").to(device).eval()
+    ids = _tokens(model.config.vocab_size, (1, 56), seed=56).to(device)
+    with torch.no_grad():
+        stock = model(ids).logits
+        with g4ops.enable(model, attention=True):
+            torch._dynamo.reset()
+            logits = torch.compile(model, fullgraph=True)(ids).logits
+    assert O.rel_err(logits, stock) <= 2e-5  # as _assert_same_model_outputs
+    assert kernel_calls  # the full layers: the chunked kernel
+    if device == "cuda":
+        assert flex_calls and set(flex_calls) == {model.config.sliding_window}, flex_calls
+    else:
+        assert not flex_calls, flex_calls
 
 
 @pytest.mark.parametrize("device", DEVICES)
