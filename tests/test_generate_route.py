@@ -316,3 +316,20 @@ def test_cuda_streamer_reads_one_step_behind_like_stock():
         assert vars(model)["_g4ops_decoder"][1].graph is not None
     assert torch.equal(out, ref) and len(ours.puts) == len(stock.puts)
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(ours.puts, stock.puts))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_static_cache_sampling_compiles_the_step_and_reproduces():
+    """A static-cache sampled call compiles the step (as stock compiles its forward), then captures it: Inductor's
+    random numbers come from torch's generator too, so a seed still repeats the tokens."""
+    model = build_model("tiny-e4b", device="cuda")
+    ids, mask = (t.cuda() for t in _prompts())
+    with g4ops.enable():
+        runs = []
+        for seed in (21, 21):
+            torch.manual_seed(seed)
+            runs.append(_gen(model, ids, mask, max_new_tokens=40, cache_implementation="static", **E4B_IT))
+        key, decoder = vars(model)["_g4ops_decoder"]
+        assert key[2] is True and decoder.graph is not None  # compiled, then captured
+    assert torch.equal(runs[0], runs[1])

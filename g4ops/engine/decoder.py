@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
+import logging
 import time
 
 import torch
@@ -40,6 +41,7 @@ from .. import ops
 from .cache import GraphKVCache, text_attentions
 from .sampler import check_params, sample
 
+logger = logging.getLogger("g4ops")
 DECODE_ATTENTION = "g4ops_graph_decode"  # the attention implementation name the step's configs carry
 K_CAPS = (64, 256, 1024)  # top-k candidate sizes a sampling graph may use for the threshold (exact: sampler.warp)
 _MAX_EOS_IDS = 8  # the EOS ids min_new_tokens holds back live in a fixed-size buffer (the graph's shapes are fixed)
@@ -198,8 +200,18 @@ class Decoder:
             graph = torch.cuda.CUDAGraph()
             # one memory pool for the decoder's graphs: they never run concurrently, and each writes its results
             # into the decoder's own buffers
-            with torch.cuda.graph(graph, pool=self._pool), self._step_attention():
-                self.step_fn()
+            try:
+                with torch.cuda.graph(graph, pool=self._pool), self._step_attention():
+                    self.step_fn()
+            except RuntimeError as e:
+                if self.mode[0] == "greedy":
+                    raise
+                # a sampling op this torch cannot capture: the step still runs, eagerly, and says so
+                logger.warning("g4ops: the sampling decode step %s could not be captured as a CUDA graph and runs "
+                               "eagerly (slow): %s", self.mode, e)  # fmt: skip
+                torch.cuda.synchronize()
+                self.graphs[self.mode] = None
+                return
             self._pool = graph.pool()
         self.graphs[self.mode] = graph
 
@@ -288,12 +300,13 @@ class Decoder:
             self.hold_ids.copy_(torch.tensor([eos_ids[i % len(eos_ids)] for i in range(_MAX_EOS_IDS)]))
         self.hold_until.fill_(min_new_tokens if eos_ids else 0)
         self._set_sampling(do_sample, temperature, top_k, top_p, min_p)
-        if self.use_graph and self.graph is None:
+        if self.use_graph and self.mode not in self.graphs:
             self._capture()
         if streamer is not None:
             streamer.put(input_ids.cpu())
         self.prefill(input_ids, attention_mask)
-        run = self.graph.replay if self.graph is not None else self.run_step
+        graph = self.graphs.get(self.mode)
+        run = graph.replay if graph is not None else self.run_step
         per_step = streamer is not None or max_time is not None
         reader = _StepReader(self.out, n, lookahead=per_step and self.device.type == "cuda")
         stops = _Stops(input_ids.cpu(), eos_ids, pad_token_id, stop, streamer)
