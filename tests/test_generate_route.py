@@ -294,8 +294,10 @@ def test_cuda_sampled_generate_is_graphed_and_seeded(dtype):
         assert decoder.graph is not None and decoder.mode == ("sample", 64, True, True, False)
         assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
         greedy = _gen(model, ids, mask, max_new_tokens=40, do_sample=False, eos_token_id=1)
-        assert torch.equal(_gen(model, ids, mask, max_new_tokens=40, **dict(E4B_IT, top_k=1, eos_token_id=1)),
-                           greedy)  # fmt: skip
+        if dtype == torch.float32:  # bf16 logits tie at the maximum (H200, 2026-12-01): transformers' top-k keeps
+            # every tied token and samples among them, while greedy takes the first, so only fp32 must agree
+            assert torch.equal(_gen(model, ids, mask, max_new_tokens=40, **dict(E4B_IT, top_k=1, eos_token_id=1)),
+                               greedy)  # fmt: skip
         from g4ops.engine.decoder import Decoder
 
         greedy_eager = Decoder(model, batch_size=3, max_length=256, cuda_graph=False).generate(
