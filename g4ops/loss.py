@@ -210,10 +210,11 @@ def _run_fused(fn, *args):
     if compiled is None:
         compiled = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
     try:
-        # Always below autograd (these are steps of an op with its own backward): Dynamo guards on the inputs'
-        # dispatch keys, and the op is reached both with and without autograd's keys excluded (H200, 2026-12-01:
-        # the first compiled training step saw them excluded, the second not, and both helpers recompiled).
-        with torch._C._AutoDispatchBelowAutograd():
+        # Always below autograd and ADInplaceOrView (these are steps of an op with its own backward): Dynamo guards
+        # on the inputs' dispatch keys after the thread's exclusions, and the op is reached with those keys
+        # excluded and without (H200, 2026-12-01: a compiled training step's first call saw them excluded, the
+        # second not, and both helpers recompiled); from inference mode too.
+        with torch._C._AutoDispatchBelowADInplaceOrView():
             return compiled(*args)
     except Exception as exc:  # noqa: BLE001 - slower but correct beats failing the training step
         if isinstance(exc, torch.OutOfMemoryError):

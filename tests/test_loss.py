@@ -678,11 +678,13 @@ def test_compiled_elementwise_helpers_compile_once_whatever_the_autograd_keys(mo
     graphs = torch._dynamo.utils.counters["stats"]
     first = loss_mod._run_fused(loss_mod._chunk_loss, logits, safe, valid, 30.0)
     compiled = graphs["unique_graphs"]
-    with torch._C._AutoDispatchBelowAutograd():
-        below = loss_mod._run_fused(loss_mod._chunk_loss, logits, safe, valid, 30.0)
-    assert graphs["unique_graphs"] == compiled, "the helper recompiled for other dispatch keys"
+    outs = [first]
+    for below in (torch._C._AutoDispatchBelowAutograd, torch._C._AutoDispatchBelowADInplaceOrView):
+        with below():
+            outs.append(loss_mod._run_fused(loss_mod._chunk_loss, logits, safe, valid, 30.0))
+        assert graphs["unique_graphs"] == compiled, f"the helper recompiled under {below.__name__}"
     eager = loss_mod._chunk_loss(logits, safe, valid, 30.0)
-    for got in (first, below):
+    for got in outs:
         for a, b in zip(got, eager):
             torch.testing.assert_close(a, b)
     torch._dynamo.reset()
