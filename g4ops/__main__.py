@@ -89,7 +89,7 @@ def _generate(model, prompt, new_tokens: int, compiled: bool):
 
 
 def _decode_graphed(model, prompt, new_tokens: int, compiled: bool):
-    """(tokens, first-run seconds incl. capture, steady seconds) of g4ops.decode.GreedyDecoder, with
+    """(tokens, first-run seconds incl. capture, steady seconds) of g4ops.engine.decoder.Decoder (greedy), with
     min_new_tokens as in `_generate`."""
     from .decode import GreedyDecoder
     from .models import special_tokens

@@ -23,9 +23,10 @@ This is the only module that knows transformers' Gemma-4 class names and quirks 
   stock SDPA with the dense window mask; and stock SDPA with the mask stock would have built everywhere else
   (section "Attention" below).
 
-- Decode: `Gemma4ForCausalLM.generate` (and the multimodal class's, for text-only calls) is wrapped so that greedy,
-  static-cache calls on CUDA that the decoder reproduces exactly run `g4ops.decode.GreedyDecoder` (the whole step in
-  one CUDA graph); every other call runs stock generate untouched (`enable(..., decode=False)` leaves it alone).
+- Decode: `Gemma4ForCausalLM.generate` (and the multimodal class's, for text-only calls) is wrapped so that calls on
+  CUDA that the decoder reproduces exactly (greedy or sampled, default or static cache: g4ops/decode.py says which)
+  run `g4ops.engine.decoder.Decoder` (the whole step in one CUDA graph); every other call runs stock generate
+  untouched (`enable(..., decode=False)` leaves it alone).
 
 Only `forward` and `generate` attributes are replaced (on the class, or on one model's module instances), plus the
 attention implementation name of the Gemma-4 text configs that `enable(model)` switches; classes are never swapped
@@ -680,7 +681,7 @@ def enable(model: nn.Module | None = None, attention: bool = False, decode: bool
     step 1.36x stock compile at 2048 tokens and 2.37x at 8192; in eager its full layers are 0.8x stock
     (g4ops.attention's docstring has the per-layer numbers).
 
-    `decode`: route eligible `generate()` calls of Gemma4ForCausalLM to g4ops.decode.GreedyDecoder (module docstring).
+    `decode`: route eligible `generate()` calls of Gemma4ForCausalLM to g4ops.engine.decoder.Decoder (module docstring).
     Gemma4TextModel's set of layer types is iterated sorted, so compile caches work across processes ("Layer-type
     order" above).
 
