@@ -52,7 +52,7 @@ import torch
 
 from ..models import FULL
 from .cache import text_attentions
-from .decoder import DECODE_ATTENTION, K_CAPS, _register_decode_attention
+from .decoder import K_CAPS, _register_decode_attention, step_attention
 from .sampler import sample, seeded_exponential
 
 __all__ = ["BatchEngine", "EngineStats", "QueueFull", "SamplingParams", "SlotKVCache", "TokenEvent"]
@@ -624,16 +624,8 @@ class BatchEngine:
             self._end_unadmitted(req, "cancelled")
 
     # -- the decode step ----------------------------------------------------------------------------------------
-    @contextlib.contextmanager
     def _step_attention(self):
-        before = [c._attn_implementation for c in self._attention_configs]
-        for c in self._attention_configs:
-            c._attn_implementation = DECODE_ATTENTION
-        try:
-            yield
-        finally:
-            for c, name in zip(self._attention_configs, before):
-                c._attn_implementation = name
+        return step_attention(self._attention_configs)
 
     def _choose(self, logits: torch.Tensor, rows: slice, mode: tuple, counter: torch.Tensor):
         """logits [n, V] fp32 of the rows `rows` -> [n] tokens under those rows' settings."""

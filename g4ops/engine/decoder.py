@@ -74,6 +74,20 @@ def as_id_list(ids) -> list[int]:
     return [int(ids)] if isinstance(ids, int) else [int(t) for t in ids]
 
 
+
+@contextlib.contextmanager
+def step_attention(configs):
+    """Name DECODE_ATTENTION in the text attention configs while a decode step is traced, captured or run eagerly
+    (prefill keeps the model's own implementation)."""
+    before = [c._attn_implementation for c in configs]
+    for c in configs:
+        c._attn_implementation = DECODE_ATTENTION
+    try:
+        yield
+    finally:
+        for c, name in zip(configs, before):
+            c._attn_implementation = name
+
 class Decoder:
     """Greedy or sampled decoding of a Gemma-4 causal LM with the decode step captured once as a CUDA graph.
 
@@ -142,17 +156,9 @@ class Decoder:
         """The graph of the current mode's step, once captured (None before, and off CUDA)."""
         return self.graphs.get(self.mode)
 
-    @contextlib.contextmanager
     def _step_attention(self):
         """The step's attention implementation, only while the step is traced, captured or run eagerly."""
-        before = [c._attn_implementation for c in self._attention_configs]
-        for c in self._attention_configs:
-            c._attn_implementation = DECODE_ATTENTION
-        try:
-            yield
-        finally:
-            for c, name in zip(self._attention_configs, before):
-                c._attn_implementation = name
+        return step_attention(self._attention_configs)
 
     def run_step(self):
         """One decode step, not replayed from the graph (what the graph holds, run eagerly or compiled)."""
