@@ -126,7 +126,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         for mode in ("ddp", "fsdp2"):
             model = build()
             try:
-                wrapped = DDP(model) if mode == "ddp" else _fsdp2(model)
+                # broadcast_buffers=False: both ranks build the same buffers (seeded), and with transformers 5.6 on
+                # torch 2.13 DDP's per-forward buffer broadcast over gloo races on a loaded CPU: rank 1's first loss
+                # then comes out 3.1213 or 3.1255 instead of 3.1241, for the stock model too (2026-12-01)
+                wrapped = DDP(model, broadcast_buffers=False) if mode == "ddp" else _fsdp2(model)
                 counter = _counter()
                 with counter:
                     loss, grads, loss2 = train_step(wrapped, ids[mine], labels[mine], num_items, WORLD)
