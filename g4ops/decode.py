@@ -9,8 +9,9 @@ same distribution). Everything else runs transformers' own generate untouched, a
 "g4ops" logger; `generation_route(model, **kwargs)` answers for a call without running it.
 
 What routing does not keep from stock: a returned `GenerateDecoderOnlyOutput` has no cache (stock returns its
-DynamicCache/StaticCache; the decoder's cache stays with the decoder), and the step is compiled only where stock
-compiles it (a static cache, `disable_compile` unset).
+DynamicCache/StaticCache; the decoder's cache stays with the decoder). On CUDA the step is compiled (torch.compile,
+then captured) for every cache, not only where stock compiles (a static cache): the first call for a batch size and
+length bucket pays the compile time (logged once at INFO); `disable_compile=True` keeps it to the captured graph.
 """
 
 from __future__ import annotations
@@ -124,6 +125,9 @@ def make_generate(stock_generate):
         decoder = vars(self).get("_g4ops_decoder")
         if decoder is None or decoder[0] != key:  # one decoder per model, like stock's one static cache
             vars(self).pop("_g4ops_decoder", None)  # let the old one's memory go before the new one takes its own
+            if plan.compile_step:
+                logger.info("g4ops: compiling the decode step for batch %d, length %d (once per shape; "
+                            "disable_compile=True skips it)", ids.shape[0], max_length)  # fmt: skip
             decoder = (key, Decoder(self, batch_size=ids.shape[0], max_length=max_length, compile=plan.compile_step,
                                     suppress_tokens=plan.suppress))  # fmt: skip
             vars(self)["_g4ops_decoder"] = decoder
@@ -246,7 +250,7 @@ def _plan(model, inputs, generation_config, kwargs):
     stop = (config.stop_strings, tokenizer) if config.stop_strings is not None else None
     suppress = sorted(set(as_id_list(config.suppress_tokens)))
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-    compile_step = config.cache_implementation == "static" and not config.disable_compile  # where stock compiles
+    compile_step = ids.device.type == "cuda" and not config.disable_compile
     return _Plan(ids=ids, mask=given.get("attention_mask"), new_tokens=new, min_new=min_new, suppress=suppress,
                  eos=eos, pad=int(pad), compile_step=compile_step, sampling=sampling, streamer=streamer, stop=stop,
                  max_time=config.max_time, return_dict=bool(config.return_dict_in_generate))  # fmt: skip

@@ -283,20 +283,22 @@ def test_multimodal_class_with_text_only_processor_outputs(routing):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_sampled_generate_is_graphed_and_seeded(dtype):
+    """The captured graph (not compiled: disable_compile) against the same step run eagerly."""
     model = build_model("tiny-e4b", dtype=dtype, device="cuda")
     ids, mask = (t.cuda() for t in _prompts())
+    graph_only = dict(max_new_tokens=40, disable_compile=True)
     with g4ops.enable():
         runs = []
         for seed in (11, 11, 12):  # the first call captures: its draws must not depend on that
             torch.manual_seed(seed)
-            runs.append(_gen(model, ids, mask, max_new_tokens=40, **E4B_IT))
-        decoder = vars(model)["_g4ops_decoder"][1]
-        assert decoder.graph is not None and decoder.mode == ("sample", 64, True, True, False)
+            runs.append(_gen(model, ids, mask, **graph_only, **E4B_IT))
+        key, decoder = vars(model)["_g4ops_decoder"]
+        assert key[2] is False and decoder.graph is not None and decoder.mode == ("sample", 64, True, True, False)
         assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
-        greedy = _gen(model, ids, mask, max_new_tokens=40, do_sample=False, eos_token_id=1)
+        greedy = _gen(model, ids, mask, **graph_only, do_sample=False, eos_token_id=1)
         if dtype == torch.float32:  # bf16 logits tie at the maximum (H200, 2026-12-01): transformers' top-k keeps
             # every tied token and samples among them, while greedy takes the first, so only fp32 must agree
-            assert torch.equal(_gen(model, ids, mask, max_new_tokens=40, **dict(E4B_IT, top_k=1, eos_token_id=1)),
+            assert torch.equal(_gen(model, ids, mask, **graph_only, **dict(E4B_IT, top_k=1, eos_token_id=1)),
                                greedy)  # fmt: skip
         from g4ops.engine.decoder import Decoder
 
@@ -322,16 +324,22 @@ def test_cuda_streamer_reads_one_step_behind_like_stock():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_cuda_static_cache_sampling_compiles_the_step_and_reproduces():
-    """A static-cache sampled call compiles the step (as stock compiles its forward), then captures it: Inductor's
-    random numbers come from torch's generator too, so a seed still repeats the tokens."""
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_cuda_sampled_call_compiles_the_step_and_reproduces(cache):
+    """The model card's call compiles the step on either cache (stock compiles only a static cache's forward), then
+    captures it: Inductor's random numbers come from torch's generator too, so a seed still repeats the tokens; the
+    compiled fp32 greedy step gives stock's tokens."""
     model = build_model("tiny-e4b", device="cuda")
     ids, mask = (t.cuda() for t in _prompts())
+    stock_greedy = _gen(model, ids, mask, max_new_tokens=40, do_sample=False, eos_token_id=1)
     with g4ops.enable():
         runs = []
-        for seed in (21, 21):
+        for seed in (21, 21, 22):
             torch.manual_seed(seed)
-            runs.append(_gen(model, ids, mask, max_new_tokens=40, cache_implementation="static", **E4B_IT))
+            runs.append(_gen(model, ids, mask, max_new_tokens=40, cache_implementation=cache, **E4B_IT))
         key, decoder = vars(model)["_g4ops_decoder"]
         assert key[2] is True and decoder.graph is not None  # compiled, then captured
-    assert torch.equal(runs[0], runs[1])
+        greedy = _gen(model, ids, mask, max_new_tokens=40, cache_implementation=cache, do_sample=False, eos_token_id=1)
+        assert vars(model)["_g4ops_decoder"][0][2] is True
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    assert torch.equal(greedy, stock_greedy)
