@@ -184,7 +184,8 @@ class CompiledModel:
             self.ple = PLETokenEmbedding(self.cfg, self.settings.dtype)
             self.ple.load_state_dict(load_file(str(d / "ple.safetensors")), strict=True)
 
-    def step(self, ids, start, valid, ple_tokens):
-        args = (ids, start, valid) + ((ple_tokens,) if ple_tokens is not None else ())
+    def step(self, ids, start, valid, ple_tokens, *sampling):
+        """One bucket; `sampling`: the sampling inputs (sampling.SAMPLING_INPUTS) of a sample_cap > 0 artifact."""
+        args = (ids, start, valid) + ((ple_tokens,) if ple_tokens is not None else ()) + tuple(sampling)
         out = self.traced(*args)
         return out[0] if isinstance(out, (list, tuple)) and not self.settings.return_logits else out

@@ -218,10 +218,15 @@ class BuildSettings:
     prefill_buckets: tuple[int, ...] = (128,)
     dtype: torch.dtype = torch.float32
     return_logits: bool = False  # also return gathered fp32 logits (checks; costs an all-gather of the vocab)
+    # > 0: every bucket also takes the per-row sampling inputs (sampling.SAMPLING_INPUTS) and samples from each
+    # rank's top `sample_cap` logits (requests need top_k <= sample_cap); 0: greedy-only buckets
+    sample_cap: int = 0
 
     def __post_init__(self):
         if self.tp < 1 or self.batch < 1 or self.max_seq < 1:
             raise ValueError(f"BuildSettings: tp, batch and max_seq must be >= 1, got {self}")
+        if self.sample_cap < 0:
+            raise ValueError(f"BuildSettings: sample_cap must be >= 0, got {self.sample_cap}")
         if not self.prefill_buckets or any(b < 1 for b in self.prefill_buckets):
             raise ValueError(f"BuildSettings: prefill_buckets must be positive sizes, got {self.prefill_buckets}")
 

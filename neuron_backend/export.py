@@ -15,7 +15,8 @@ from .model import NeuronGemma4ForCausalLM
 
 
 def example_inputs(model: NeuronGemma4ForCausalLM, tokens: int) -> tuple:
-    """(input_ids, start_pos, n_valid[, ple_tokens]) for a chunk of `tokens` rows (all valid)."""
+    """(input_ids, start_pos, n_valid[, ple_tokens][, *sampling inputs]) for a chunk of `tokens` rows (all valid;
+    ple_tokens None without PLE when sampling inputs follow)."""
     cfg, s = model.cfg, model.settings
     b = s.batch
     args = (
@@ -23,8 +24,11 @@ def example_inputs(model: NeuronGemma4ForCausalLM, tokens: int) -> tuple:
         torch.zeros(b, dtype=torch.int64),
         torch.full((b,), tokens, dtype=torch.int64),
     )
-    if cfg.ple_dim:
-        args += (torch.zeros(b, tokens, cfg.num_layers, cfg.ple_dim, dtype=s.dtype),)
+    if cfg.ple_dim or s.sample_cap:
+        args += (torch.zeros(b, tokens, cfg.num_layers, cfg.ple_dim, dtype=s.dtype) if cfg.ple_dim else None,)
+    if s.sample_cap:  # sampling.SAMPLING_INPUTS: temperature, top_k, top_p, min_p, seed, counter
+        args += (torch.ones(b), torch.full((b,), s.sample_cap, dtype=torch.int64), torch.ones(b), torch.zeros(b),
+                 torch.zeros(b, dtype=torch.int64), torch.zeros(b, dtype=torch.int64))  # fmt: skip
     return args
 
 

@@ -36,6 +36,7 @@ import g4ops
 
 from .collectives import Collectives, SingleRank
 from .config import FULL, BuildSettings, TextConfig, divide, inv_freq, padded_vocab
+from .sampling import SAMPLING_INPUTS
 from .parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
 
 KV_MODES = ("buffers", "aliased_outputs")
@@ -136,7 +137,7 @@ class _KVPlan:
             mask = key_ok[:, None, :] & (kp <= qp) & (kp > qp - window)
         self.mask = mask[:, None]  # [B, 1, T, keys]
 
-    def update(self, cache_k, cache_v, k_new, v_new):
+    def update(self, cache_k, cache_v, k_new, v_new, in_place=False):
         """-> (keys, values) to attend over, (new K buffer, new V buffer)."""
         w = self.write[:, None, :, None]
         new_k = torch.where(w, _gather_seq(k_new, self.src), cache_k)
@@ -144,6 +145,43 @@ class _KVPlan:
         if self.kind == FULL:
             return (new_k, new_v), (new_k, new_v)
         return (torch.cat([cache_k, k_new], dim=2), torch.cat([cache_v, v_new], dim=2)), (new_k, new_v)
+
+
+class _DecodePlan:
+    """The decode step (T = 1): each row's new K/V row is scattered into its slot, as NxD Inference's KV cache
+    manager writes token generation (torch.scatter at the row's position), instead of rewriting every slot.
+
+    Row b writes slot start_b (full) or start_b mod R (ring); a row with n_valid = 0 (idle in this step) writes
+    back the value its slot already holds, so the scatter has one index per row and never a duplicate. Keys are
+    the updated buffer on both layer types: after the write a ring of R = min(window, max_seq) slots holds exactly
+    the positions the query may see (slot j holds p - ((p - j) mod R), masked while that is negative: stale slots
+    of an earlier sequence stay invisible until overwritten).
+    """
+
+    def __init__(self, kind, slots, window, pos, start, n_valid):
+        b = pos.shape[0]
+        slot = torch.arange(slots, device=pos.device)[None, :]  # [1, S]
+        self.kind, self.valid = kind, (n_valid > 0)[:, None, None, None]
+        q = pos  # [B, 1]
+        if kind == FULL:
+            self.slot = start
+            key_pos = slot.expand(b, slots)
+            key_ok = key_pos < (start + n_valid)[:, None]
+        else:
+            self.slot = torch.remainder(start, slots)
+            last = (start + n_valid - 1)[:, None]
+            key_pos = last - torch.remainder(last - slot, slots)
+            key_ok = (key_pos >= 0) & (key_pos > q - window)
+        self.mask = (key_ok & (key_pos <= q))[:, None, None, :]  # [B, 1, 1, S]
+
+    def update(self, cache_k, cache_v, k_new, v_new, in_place=False):
+        b, h, _, d = k_new.shape
+        idx = self.slot[:, None, None, None].expand(b, h, 1, d)
+        out = []
+        for cache, new in ((cache_k, k_new), (cache_v, v_new)):
+            row = torch.where(self.valid, new, cache.gather(2, idx))
+            out.append(cache.scatter_(2, idx, row) if in_place else cache.scatter(2, idx, row))
+        return tuple(out), tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -173,6 +211,7 @@ class Attention(nn.Module):
                 self.v_proj = ColumnParallelLinear(hidden, self.kv_local * d, dt)
             self.k_norm = _norm_weight(d, dt)
         self.o_proj = RowParallelLinear(self.q_local * d, hidden, dt, comm)
+        self.kv_in_place = False  # set by the model: kv_mode "buffers" scatters straight into the buffers
 
     def forward(self, x, cos, sin, plan: _KVPlan, cache, shared):
         """x [B, T, H] -> out [B, T, H], new (K, V) buffers (owners) or None, (keys, values) for consumers."""
@@ -186,7 +225,7 @@ class Attention(nn.Module):
             v = k_raw if self.k_eq_v else self.v_proj(x).view(b, t, self.kv_local, d)
             k = apply_rope(g4ops.rms_norm(k_raw, self.k_norm, self.eps), cos, sin).transpose(1, 2)
             v = g4ops.rms_norm(v, None, self.eps).transpose(1, 2)  # [B, Hkv, T, D]
-            kv, new_cache = plan.update(cache[0], cache[1], k, v)
+            kv, new_cache = plan.update(cache[0], cache[1], k, v, in_place=self.kv_in_place)
         else:
             kv = shared
         keys, values = kv
@@ -308,6 +347,8 @@ class NeuronGemma4ForCausalLM(nn.Module):
                 else:  # NxD aliases module parameters to graph outputs (its StateInitializer zero-fills them)
                     self.register_parameter(name, nn.Parameter(torch.zeros(shape, dtype=dt), requires_grad=False))
                 self.kv_names.append(name)
+        for layer in self.layers:
+            layer.self_attn.kv_in_place = kv_mode == "buffers"
 
     # -- helpers ------------------------------------------------------------------------------------------------
     def kv_tensors(self) -> list[torch.Tensor]:
@@ -327,8 +368,18 @@ class NeuronGemma4ForCausalLM(nn.Module):
         return (proj + ple_tokens) * (2.0**-0.5)
 
     # -- forward ------------------------------------------------------------------------------------------------
-    def forward(self, input_ids, start_pos, n_valid, ple_tokens=None):
+    def forward(self, input_ids, start_pos, n_valid, ple_tokens=None, temperature=None, top_k=None, top_p=None,
+                min_p=None, seed=None, counter=None):
+        """Sampling inputs (sampling.SAMPLING_INPUTS, each [B]; settings.sample_cap > 0): temperature fp32 (<= 0:
+        greedy row), top_k int64 (0: off, else <= sample_cap), top_p (1: off), min_p fp32 (0: off), seed and
+        counter int64 (the row's noise key: its seed and the index of the token it generates)."""
         cfg, settings = self.cfg, self.settings
+        sampling = (temperature, top_k, top_p, min_p, seed, counter)
+        if settings.sample_cap and any(x is None for x in sampling):
+            raise ValueError(f"settings.sample_cap is {settings.sample_cap}: forward needs every sampling input "
+                             f"({', '.join(n for n, x in zip(SAMPLING_INPUTS, sampling) if x is None)} missing)")
+        if not settings.sample_cap and any(x is not None for x in sampling):
+            raise ValueError("sampling inputs given, but the module was built with settings.sample_cap = 0")
         b, t = input_ids.shape
         dev = input_ids.device
         rows = torch.arange(t, device=dev)
@@ -342,7 +393,11 @@ class NeuronGemma4ForCausalLM(nn.Module):
         for lt in sorted(set(cfg.layer_types)):
             rope[lt] = rope_cos_sin(getattr(self, f"inv_freq_{lt}"), pos, h.dtype)
             first = cfg.layer_types.index(lt)
-            plans[lt] = _KVPlan(lt, settings.kv_len(cfg, first), cfg.sliding_window, pos, start_pos, n_valid, tok_valid)
+            slots = settings.kv_len(cfg, first)
+            if t == 1:  # decode: a scatter of one row per sequence
+                plans[lt] = _DecodePlan(lt, slots, cfg.sliding_window, pos, start_pos, n_valid)
+            else:
+                plans[lt] = _KVPlan(lt, slots, cfg.sliding_window, pos, start_pos, n_valid, tok_valid)
 
         new_kv: list[torch.Tensor] = []
         shared: dict[int, tuple] = {}
@@ -358,14 +413,16 @@ class NeuronGemma4ForCausalLM(nn.Module):
 
         h = g4ops.rms_norm(h, self.norm, cfg.rms_norm_eps)
         last = h.gather(1, (n_valid - 1).clamp(min=0)[:, None, None].expand(b, 1, h.shape[-1])).squeeze(1)
-        tokens, logits = self.lm_head(last, return_logits=settings.return_logits)
+        tokens, logits = self.lm_head(last, return_logits=settings.return_logits,
+                                      sampling=sampling if settings.sample_cap else None, cap=settings.sample_cap)
         outputs = (tokens,) if logits is None else (tokens, logits)
 
         if self.kv_mode == "aliased_outputs":
             return (*outputs, *new_kv)
         with torch.no_grad():  # the trace-safe in-place write: buffers_to_mutate in torch.export, aliased on XLA
             for buf, new in zip(self.kv_tensors(), new_kv):
-                buf.copy_(new)
+                if new is not buf:  # decode scattered into the buffer already
+                    buf.copy_(new)
         return outputs[0] if len(outputs) == 1 else outputs
 
     def io_aliases(self) -> dict:

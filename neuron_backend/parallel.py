@@ -3,7 +3,8 @@
     ColumnParallelLinear   W [out/tp, in]    y_r = x @ W_r.T                 output stays sharded (no collective)
     RowParallelLinear      W [out, in/tp]    y = all_reduce_fp32(x_r @ W_r.T)  input is the column-sharded output
     VocabParallelEmbedding W [V/tp, H]       masked local lookup, then all_reduce (exact: one rank is non-zero)
-    VocabParallelLMHead    W [V/tp, H]       fp32 logits of the shard, softcap, then a distributed argmax
+    VocabParallelLMHead    W [V/tp, H]       fp32 logits of the shard, softcap, then a distributed argmax or
+                                             vocab-parallel sampling (sampling.py: top-k candidates per rank)
 
 Rank-dependent constants (the first vocab id of the shard) are persistent buffers filled by the loader, not Python
 ints: NxD's ModelBuilder traces one graph for all ranks and feeds each rank its own weights, so anything that
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .collectives import Collectives
+from .sampling import local_candidates, sample_candidates
 
 
 class ColumnParallelLinear(nn.Module):
@@ -101,9 +103,22 @@ class VocabParallelLMHead(nn.Module):
             logits = logits.masked_fill(col >= self.vocab_size, float("-inf"))
         return logits
 
-    def forward(self, h, return_logits: bool = False):  # [B, H] -> tokens [B] int64 (, logits [B, V] fp32)
+    def forward(self, h, return_logits: bool = False, sampling: tuple | None = None, cap: int = 0):
+        """[B, H] -> tokens [B] int64 (, logits [B, V] fp32). `sampling`: the per-row tensors of
+        sampling.SAMPLING_INPUTS; rows with temperature > 0 then sample from the merged top-`cap` candidates of
+        every rank (sampling.py), the others keep the distributed argmax."""
         _, start = self._weight_and_start()
         logits = self.local_logits(h)
+        tokens, full = self._argmax(logits, start, return_logits)
+        if sampling is not None:
+            values, ids = local_candidates(logits, start, cap)
+            if self.comm.world_size > 1:  # tp * cap values and ids per row cross the ranks, never the vocabulary
+                values, ids = self.comm.all_gather(values, dim=-1), self.comm.all_gather(ids, dim=-1)
+            drawn = sample_candidates(values, ids, *sampling, cap=cap)
+            tokens = torch.where(sampling[0] > 0, drawn, tokens)
+        return tokens, full
+
+    def _argmax(self, logits, start, return_logits):
         local_idx = logits.argmax(dim=-1)  # first maximum
         tokens = local_idx + start
         if self.comm.world_size > 1:

@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graceful-timeout", type=float, default=10.0,
                         help="seconds requests in flight may run on after SIGTERM before they are cancelled")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--backend", choices=("cuda", "neuron"), default="cuda",
+                        help="cuda: g4ops' BatchEngine (CUDA graphs; eager on --device cpu); neuron: neuron_backend's "
+                             "tensor-parallel static model (CPU ranks over gloo, or a compiled --neuron-artifact)")
+    from neuron_backend.serve import add_arguments as neuron_arguments  # argparse only
+
+    neuron_arguments(parser)
 
 
 def load(args):
@@ -78,10 +84,17 @@ def run(args) -> int:
     from ..engine.batch import BatchEngine, SamplingParams
     from .app import create_app
 
+    if args.backend == "neuron":
+        args.device = args.device or "cpu"  # the HF model only feeds the shards (CPU ranks or the artifact)
     model, tokenizer, name = load(args)
     defaults = defaults_for(model)
-    engine = BatchEngine(model, max_batch=args.max_batch, max_context=args.max_context, max_waiting=args.max_waiting,
-                         prefill_chunk=args.prefill_chunk, compile=args.compile)  # fmt: skip
+    if args.backend == "neuron":
+        from neuron_backend.serve import engine_from_args
+
+        engine = engine_from_args(args, model)
+    else:
+        engine = BatchEngine(model, max_batch=args.max_batch, max_context=args.max_context,
+                             max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk, compile=args.compile)
     # capture every batch bucket's step now, for greedy and for the checkpoint's sampling, seeded or not: else the
     # first batch of each size stalls while its graph is made
     sampled = SamplingParams(max_new_tokens=1, temperature=defaults.temperature, top_k=defaults.top_k,
