@@ -171,18 +171,25 @@ def test_adamw_bench_smoke(tmp_path):
 
 
 def test_serve_smoke(tmp_path):
-    """bench/serve.py launches `python -m g4ops serve` (tiny model, CPU), loads it at two concurrencies, checks
-    every request's token count against the server's counter and stops it with SIGTERM."""
+    """bench/serve.py saves a tiny checkpoint, launches `python -m g4ops serve` and then stock `transformers serve`
+    on it (CPU), loads each at two concurrencies with the same text prompts, checks every request's token count (and
+    g4ops' against its counter) and stops each with SIGTERM."""
     out = tmp_path / "serve.json"
     _run(["bench/serve.py", "--concurrency", "1,2", "--prompt-tokens", "12", "--output-tokens", "4", "--rounds", "1",
-          "--out", str(out)], tmp_path)  # fmt: skip
+          "--baseline-args=--no-continuous-batching", "--out", str(out)], tmp_path)  # fmt: skip
     res = json.loads(out.read_text())
-    assert [row["concurrency"] for row in res["levels"]] == [1, 2] and res["server"]["launched"] is True
-    for row in res["levels"]:
-        assert "error" not in row, row
-        assert row["requests"] == row["concurrency"] and row["output_tok_s"] > 0
-        assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"] and row["tpot_ms"]["n"] == row["requests"]
-    assert res["server_exit_code"] in (0, -15)  # SIGTERM: uvicorn stops cleanly, then re-raises the signal
+    assert [run["server"] for run in res["runs"]] == ["g4ops", "transformers"]
+    for run in res["runs"]:
+        assert [row["concurrency"] for row in run["levels"]] == [1, 2], run
+        for row in run["levels"]:
+            assert "error" not in row, (run["server"], row)
+            assert row["requests"] == row["concurrency"] and row["output_tok_s"] > 0
+            assert row["prompt_tokens"] == [12]  # 11 letters + BOS with the byte-level tokenizer, both servers
+            assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"] and row["tpot_ms"]["n"] == row["requests"]
+    assert res["runs"][0]["server_exit_code"] in (0, -15)  # SIGTERM: uvicorn stops cleanly, then re-raises it
+    pytest.importorskip("matplotlib")  # the bench extra
+    _run(["bench/serve.py", "--plot-only", str(out), "--plot", str(tmp_path / "serve.png")], tmp_path)
+    assert (tmp_path / "serve.png").stat().st_size > 0
 
 
 def test_sampling_smoke(tmp_path):
