@@ -4,7 +4,9 @@
 #   bash bench/gpu_round.sh            # everything
 #   STAGES="build bench" bash bench/gpu_round.sh
 #   STAGES="e2e" E2E_ARGS="--parts decode --layers 42 --batches 1 --decode-variants stock,g4ops" bash bench/gpu_round.sh
-# Liger-Kernel, when carried as a wheel in .whl/, is installed into /tmp/site first (the GPU image lacks it).
+#   STAGES="build sampling serve" bash bench/gpu_round.sh   # issue 16's and 17's benchmarks (each under 10 min)
+# Wheels in .whl/ (ignored: carry it) or .wheels/ are installed into /tmp/site first: the GPU image lacks
+# Liger-Kernel and the serve stack (FastAPI, Starlette, uvicorn, pydantic, openai).
 set -u
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -15,8 +17,10 @@ export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-16}
 PY=${PY:-python3}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+wheels=$(ls .whl/*.whl .wheels/*.whl 2>/dev/null || true)
+if [ -n "$wheels" ]; then
+  # shellcheck disable=SC2086  # one path per word
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -56,4 +60,10 @@ has test && stage tests "$TEST_TIMEOUT" $PY -m pytest -m cuda ${PYTEST_ARGS:--x}
 has bench && stage bench "$BENCH_TIMEOUT" $PY bench/kernels.py --json "$OUT/kernels.json" ${BENCH_ARGS:-}
 # shellcheck disable=SC2086
 has e2e && stage e2e "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-}
+# shellcheck disable=SC2086
+has sampling && stage sampling "${SAMPLING_TIMEOUT:-540}" $PY bench/sampling.py --out "$OUT/sampling.json" \
+  ${SAMPLING_ARGS:-}
+# shellcheck disable=SC2086
+has serve && stage serve "${SERVE_TIMEOUT:-540}" $PY bench/serve.py --shape e4b --out "$OUT/serve.json" \
+  $($PY -c "import matplotlib" 2>/dev/null && echo --plot "$OUT/serve.png") ${SERVE_ARGS:-}
 exit $rc
