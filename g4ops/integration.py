@@ -4,8 +4,10 @@ This is the only module that knows transformers' Gemma-4 class names and quirks 
 - `Gemma4RMSNorm.forward` -> `g4ops.rms_norm` (no `1 + w` offset; `with_scale=False` norms have no weight; the
   vision/audio towers reuse the class at other widths, which the op handles).
 - `Gemma4TextMLP.forward` -> `g4ops.geglu_mlp`, but only when the three projections are plain `nn.Linear` without
-  bias, hooks or an instance-level forward. A projection wrapped by peft (LoRA), replaced by a quantized layer,
-  sharded as a DTensor or hooked by accelerate keeps the stock forward, so an adapter is never silently bypassed.
+  bias, hooks or an instance-level forward. Projections wrapped by peft's plain LoRA run `g4ops::lora_geglu_mlp`
+  with the adapters (g4ops/lora.py; LoRA features it does not reproduce keep peft's forward and are logged once).
+  A projection replaced by a quantized layer, sharded as a DTensor or hooked by accelerate keeps the stock forward,
+  so an adapter is never silently bypassed.
   The double-wide MLP of E2B's KV-shared layers is just a wider weight.
 - `Gemma4TextDecoderLayer.forward` -> stock's layer code with its middle (post_attention_layernorm, the residual add,
   pre_feedforward_layernorm) as one `g4ops.sandwich_norm`. Only for the signature it knows (5.6 to 5.24: the cache
@@ -45,7 +47,7 @@ import weakref
 import torch
 from torch import nn
 
-from . import ops
+from . import lora, ops
 from .decode import _STOCK_GENERATE, make_generate, release_decoders
 
 _HF_MODULE = "transformers.models.gemma4.modeling_gemma4"
@@ -106,20 +108,25 @@ def _make_embedding_forward(stock_forward):
     return forward
 
 
+def _gelu_tanh_mlp(mlp: nn.Module) -> bool:
+    return getattr(getattr(mlp, "config", None), "hidden_activation", None) in _GELU_TANH_NAMES
+
+
 def mlp_uses_g4ops(mlp: nn.Module) -> bool:
-    """Whether a Gemma4TextMLP can run as one geglu_mlp op (else its stock forward runs)."""
-    config = getattr(mlp, "config", None)
-    return (
-        getattr(config, "hidden_activation", None) in _GELU_TANH_NAMES
-        and all(_is_plain_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj"))
-    )
+    """Whether a Gemma4TextMLP can run as one geglu_mlp op (else g4ops.lora's LoRA path or its stock forward)."""
+    return _gelu_tanh_mlp(mlp) and all(_is_plain_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj",
+                                                                                          "down_proj"))  # fmt: skip
 
 
 def _make_mlp_forward(stock_forward):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (_is_plain_tensor(x) and mlp_uses_g4ops(self)):
-            return stock_forward(self, x)
-        return ops.geglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        if _is_plain_tensor(x) and mlp_uses_g4ops(self):
+            return ops.geglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        if _is_plain_tensor(x) and _gelu_tanh_mlp(self):
+            out = lora.geglu_mlp(self, x, _is_plain_linear)  # peft LoRA projections; None: not reproduced
+            if out is not None:
+                return out
+        return stock_forward(self, x)
 
     setattr(forward, _MARK, stock_forward)
     return forward
@@ -507,6 +514,16 @@ def _unpatch_module(module: nn.Module) -> None:
 # static-cache prefill (L < S, top-left aligned); we never let it for L > 1, because transformers 5.24 slices the
 # queries of KV-shared layers to the last rows when the mask is None under any implementation not named "sdpa",
 # and one alignment must be right for both.
+#
+# Padding and packing (tests/test_packing.py): whatever mask reaches stock sdpa from here has a visible key in every
+# query row (`_open_empty_rows`), and those rows' outputs are 0, as CPU sdpa gives them: a fully masked row (a
+# left-pad query, or a pad run longer than the window) came out NaN on some CUDA kernels, and the NaN then reaches
+# real tokens through 0 * NaN in P @ V (transformers issue 45201's NaN losses with padding at batch > 1).
+# transformers builds the block-diagonal mask of packed sequences (position_ids that restart) only without a cache
+# (masking_utils' _preprocess_mask_arguments): with one, e.g. a training forward under the config's use_cache=True,
+# it hands over the plain pattern and sequences would see each other. In eager we read position_ids and add the
+# sequence boundaries to the mask (`_packed_segments`); under torch.compile that read is impossible, so a compiled
+# packed forward needs use_cache=False (what Trainer and TRL pass).
 
 ATTENTION = "g4ops"
 # Sliding layers of a compiled CUDA model run FlexAttention with a block-sparse band (g4ops.attention's section on
@@ -585,6 +602,36 @@ def _pattern_mask(q_len: int, kv_len: int, window: int | None, device) -> torch.
     return seen[None, None]
 
 
+def _packed_segments(position_ids, q_len: int, kv_len: int):
+    """[B or 1, L] index of the packed sequence each token belongs to when `position_ids` restart inside a row,
+    else None. transformers' own rule (`find_packed_sequence_indices`: a new sequence wherever the position does not
+    grow by 1). Reads the values, a host sync: eager only."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    if (torch.compiler.is_compiling() or q_len != kv_len or not isinstance(position_ids, torch.Tensor)
+            or position_ids.dim() != 2 or position_ids.shape[-1] != q_len):  # fmt: skip
+        return None
+    return find_packed_sequence_indices(position_ids)
+
+
+def _with_segments(mask: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    """`mask` ([B or 1, 1 or H, L, L], bool or additive) with keys of other packed sequences hidden."""
+    same = (segments[:, :, None] == segments[:, None, :])[:, None].to(mask.device)
+    if mask.dtype == torch.bool:
+        return mask & same
+    return mask.masked_fill(~same, torch.finfo(mask.dtype).min)
+
+
+def _open_empty_rows(mask):
+    """(mask, rows): a bool mask whose query rows without a visible key see every key instead, so no kernel
+    computes a softmax over nothing, and `rows` ([B or 1, H or 1, L] bool, the rows that had a key) to zero the
+    others' outputs with. Additive masks and None pass through (rows None)."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        return mask, None
+    rows = mask.any(-1)
+    return mask | ~rows[..., None], rows
+
+
 def g4ops_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -602,14 +649,24 @@ def g4ops_attention_forward(
 
     from .attention import attention, flex_sliding_usable, sliding_window_attention
 
-    def stock(mask):
-        return sdpa_attention_forward(
+    def stock(mask, every_row_sees_a_key: bool = False):
+        mask, rows = (mask, None) if every_row_sees_a_key else _open_empty_rows(mask)
+        out, weights = sdpa_attention_forward(
             module, query, key, value, mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window,
             is_causal=is_causal, **kwargs,
         )
+        if rows is not None:  # out [B, L, H, D]; rows [B or 1, H or 1, L]
+            out = torch.where(rows.transpose(1, 2)[..., None], out, 0)
+        return out, weights
 
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    segments = _packed_segments(kwargs.get("position_ids"), q_len, kv_len) if causal else None
+    if segments is not None:  # packed sequences, with or without transformers' packed mask (section comment)
+        if attention_mask is None:  # each query sees itself: the diagonal is in the pattern and its sequence
+            pattern = _pattern_mask(q_len, kv_len, sliding_window, query.device)
+            return stock(_with_segments(pattern, segments), every_row_sees_a_key=True)
+        return stock(_with_segments(attention_mask, segments))
     if attention_mask is not None or not causal or q_len > kv_len:
         return stock(attention_mask)  # stock's mask (padding, cache), or stock's meaning of no mask
     if q_len == 1 and (sliding_window is None or kv_len <= sliding_window):
@@ -617,14 +674,14 @@ def g4ops_attention_forward(
     if dropout != 0.0 or kwargs.get("output_attentions") or any(
         kwargs.get(name) is not None for name in ("softcap", "position_bias")
     ):
-        return stock(_pattern_mask(q_len, kv_len, sliding_window, query.device))
+        return stock(_pattern_mask(q_len, kv_len, sliding_window, query.device), every_row_sees_a_key=True)
     if sliding_window is not None:
         if SLIDING_VIA_FLEX and q_len > sliding_window and flex_sliding_usable(query):
             out = sliding_window_attention(query, key, value, scaling, sliding_window)
             return out.transpose(1, 2).contiguous(), None
         # eager, CPU, or shorter than the window: on the H200 cuDNN with the dense window mask beat the chunked path
         # 2x to 5x (2026-11-29)
-        return stock(_pattern_mask(q_len, kv_len, sliding_window, query.device))
+        return stock(_pattern_mask(q_len, kv_len, sliding_window, query.device), every_row_sees_a_key=True)
     out = attention(query, key, value, scale=scaling, window=sliding_window)
     return out.transpose(1, 2).contiguous(), None
 

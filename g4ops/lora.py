@@ -1,0 +1,441 @@
+"""LoRA inside g4ops' Gemma-4 MLP: peft-wrapped gate/up/down projections as one op with low-rank-only gradients.
+
+peft's `lora.Linear` computes, for each active adapter a with weights A_a [r, in], B_a [out, r] and scale s_a
+(`lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`; peft's own `scaling` dict is read, so `set_scale`
+and `scale_layer` count too):
+
+    y = base(z) + sum_a B_a(A_a(dropout_a(z_a))) * s_a,    z_a = z cast to A_a's dtype (peft casts the input once
+                                                           per adapter, cumulatively), the sum in the promoted dtype,
+                                                           then rounded to base(z)'s dtype
+
+Merged adapters (`merge_adapter`): the base weight holds the deltas and peft runs the base layer alone; so do we.
+Disabled adapters (`disable_adapter()`): the base layer alone. No active adapter: the base layer alone. An MLP whose
+three projections then have no low-rank term runs the plain `g4ops.geglu_mlp` op on the base weights.
+
+`g4ops::lora_geglu_mlp` is that formula on gate and up, g4ops' GeGLU product (fp32 inside, rounded once, as
+`geglu_mlp`), and the formula on down. Its autograd formula saves x, the gate and up outputs and the [T, r] products
+A_a(z_a) (h is recomputed from gate and up in the backward, as geglu_mlp does; no fp32 copy of x or h is kept, where
+peft's autograd keeps both for fp32 adapters of a bf16 model), and computes, per projection with output gradient dY:
+
+    u_a  = s_a * (dY_a @ B_a)          [T, r]        dY_a = dY cast to the adapter's dtype
+    dA_a = u_a^T @ z_a                 [r, in]       dB_a = s_a * dY_a^T @ A_a(z_a)   [out, r]
+    dz   = dY @ W + sum_a u_a @ A_a    (summed in fp32, rounded once)
+
+A base weight gradient (a full [out, in] GEMM) is computed only when that base weight requires grad (peft freezes
+them). The down projection's input gradient dh stays in fp32 into the GeGLU backward.
+
+Kernels: the GEMMs are ATen's (cuBLAS on CUDA); the GeGLU product runs g4ops' CUDA kernel (`gelu_tanh_mul` in
+csrc/geglu.cu) when the kernels are loaded, else `reference.gelu_tanh_mul`; the GeGLU backward product is
+`reference.gelu_tanh_mul_backward` on every device (csrc has that kernel only inside geglu_mlp_backward, which
+computes dh from the base down weight alone and returns no dgate/dup, both of which the adapter gradients need).
+
+Not implemented, so peft's own forward runs and `geglu_mlp` below says why once at INFO on the "g4ops" logger:
+LoRA variants (DoRA, aLoRA, ... anything in peft's `lora_variant`), `lora_bias`, dropout p > 0 in training mode
+(in eval mode dropout is the identity, which the fused path computes), a base layer that is not a plain bias-free
+nn.Linear (quantized bases use other peft classes), `fan_in_fan_out`, hooks on the peft layer (peft's mixed-batch
+`adapter_names` inference is such a hook), adapters merged but disabled (peft unmerges them inside its forward),
+and torch.autocast.
+
+This module knows peft's LoRA layer; integration.py decides which MLP calls come here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops, reference
+from ._build import ensure_cuda_kernels, status
+
+logger = logging.getLogger("g4ops")
+
+_lib = torch.library.Library(ops.NAMESPACE, "FRAGMENT")
+_ADAPTER_ARGS = "Tensor[] lora_a, Tensor[] lora_b, float[] scaling, int[3] counts"
+_SCHEMAS = {
+    # lora_a/lora_b/scaling: the adapters of gate_proj (counts[0] of them), then up_proj's, then down_proj's
+    "lora_geglu_mlp": f"lora_geglu_mlp(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, {_ADAPTER_ARGS}) -> Tensor",
+    "lora_geglu_mlp_forward": (
+        f"lora_geglu_mlp_forward(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, {_ADAPTER_ARGS})"
+        " -> (Tensor, Tensor, Tensor, Tensor[])"
+    ),
+    "lora_geglu_mlp_backward": (
+        "lora_geglu_mlp_backward(Tensor grad_out, Tensor x, Tensor gate, Tensor up, Tensor w_gate, Tensor w_up,"
+        f" Tensor w_down, {_ADAPTER_ARGS}, Tensor[] lora_mid, bool[4] output_mask, bool[] lora_mask)"
+        " -> (Tensor, Tensor, Tensor, Tensor, Tensor[], Tensor[])"
+    ),
+}
+for _schema in _SCHEMAS.values():
+    _lib.define(_schema)
+
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input checks (reference kernels and fake kernels call them, so compile-time and run-time errors agree)
+
+
+def _check_adapters(op, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts):
+    ops._check_geglu(x, w_gate, w_up, w_down)
+    torch._check(
+        len(counts) == 3 and all(c >= 0 for c in counts),
+        lambda: f"g4ops.{op}: `counts` must be 3 adapter counts >= 0 (gate, up, down), got {list(counts)}",
+    )
+    n = sum(counts)
+    for name, seq in (("lora_a", lora_a), ("lora_b", lora_b), ("scaling", scaling)):
+        torch._check(
+            len(seq) == n, lambda: f"g4ops.{op}: `{name}` has {len(seq)} entries but `counts` sums to {n}"
+        )
+    hidden, inter = x.shape[-1], w_gate.shape[0]
+    dims = [(hidden, inter)] * (counts[0] + counts[1]) + [(inter, hidden)] * counts[2]
+    for i, (a, b, (fan_in, fan_out)) in enumerate(zip(lora_a, lora_b, dims)):
+        ops._check_floating(f"lora_a[{i}]", a)
+        torch._check(
+            a.dim() == 2 and a.shape[1] == fan_in,
+            lambda: f"g4ops.{op}: `lora_a[{i}]` must be [r, {fan_in}], got {list(a.shape)}",
+        )
+        torch._check(
+            b.dim() == 2 and b.shape[0] == fan_out and b.shape[1] == a.shape[0],
+            lambda: f"g4ops.{op}: `lora_b[{i}]` must be [{fan_out}, {a.shape[0]}] ([out, r] of `lora_a[{i}]`), "
+            f"got {list(b.shape)}",
+        )
+        torch._check_type(
+            b.dtype == a.dtype, lambda: f"g4ops.{op}: `lora_b[{i}]` is {b.dtype} but `lora_a[{i}]` is {a.dtype}"
+        )
+        ops._check_same_device(op, x=x, **{f"lora_a[{i}]": a, f"lora_b[{i}]": b})
+
+
+def _check_backward(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, lora_mid,
+                    output_mask, lora_mask):  # fmt: skip
+    op = "lora_geglu_mlp_backward"
+    _check_adapters(op, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts)
+    out_shape, inter_shape = (*x.shape[:-1], w_down.shape[0]), (*x.shape[:-1], w_gate.shape[0])
+    for name, t, shape in (("grad_out", grad_out, out_shape), ("gate", gate, inter_shape), ("up", up, inter_shape)):
+        ops._check_floating(name, t)
+        ops._check_shape(op, name, t, shape, "the MLP's" if name == "grad_out" else "x @ w_gate.T")
+        ops._check_same_device(op, x=x, **{name: t})
+    torch._check(
+        len(lora_mid) == len(lora_a) and len(lora_mask) == 2 * len(lora_a),
+        lambda: f"g4ops.{op}: `lora_mid` must have one entry per adapter ({len(lora_a)}) and `lora_mask` two, got "
+        f"{len(lora_mid)} and {len(lora_mask)}",
+    )
+    for i, (a, mid) in enumerate(zip(lora_a, lora_mid)):
+        ops._check_shape(op, f"lora_mid[{i}]", mid, (*x.shape[:-1], a.shape[0]), f"the input @ lora_a[{i}].T")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reference math (every device)
+
+
+def _split(seq, counts):
+    g, u = counts[0], counts[0] + counts[1]
+    return list(seq[:g]), list(seq[g:u]), list(seq[u:])
+
+
+def _with_adapters(base_out, z, lora_a, lora_b, scaling):
+    """peft's `lora.Linear.forward` after the base layer, in its order and dtypes: (y, [A_a(z_a)])."""
+    y, mids = base_out, []
+    for a, b, s in zip(lora_a, lora_b, scaling):
+        z = z.to(a.dtype)  # peft's _cast_input_dtype, cumulative like its loop
+        mid = F.linear(z, a)
+        mids.append(mid.contiguous())
+        y = y + F.linear(mid, b) * s
+    return y.to(base_out.dtype).contiguous(), mids
+
+
+def _gelu_tanh_mul(gate, up):
+    """g4ops' GeGLU product: the CUDA kernel once the kernels are loaded, else the reference (same semantics)."""
+    if gate.is_cuda:
+        ensure_cuda_kernels()  # loads them once; raises unless the user allowed the reference on the GPU
+        if status()["loaded"]:
+            return torch.ops.g4ops_kernels.gelu_tanh_mul(gate, up)
+    return reference.gelu_tanh_mul(gate, up)
+
+
+def lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts):
+    ga, ua, da = _split(lora_a, counts)
+    gb, ub, db = _split(lora_b, counts)
+    gs, us, ds = _split(scaling, counts)
+    gate, gate_mid = _with_adapters(F.linear(x, w_gate), x, ga, gb, gs)
+    up, up_mid = _with_adapters(F.linear(x, w_up), x, ua, ub, us)
+    h = _gelu_tanh_mul(gate, up)
+    out, down_mid = _with_adapters(F.linear(h, w_down), h, da, db, ds)
+    return out, gate, up, gate_mid + up_mid + down_mid
+
+
+def _low_rank_grads(grad_y, lora_a, lora_b, scaling, mids, mask_b, acc):
+    """One projection's adapters, the part that needs no input z: (sum_a u_a @ A_a in `acc` or None, [u_a],
+    [dB_a]) with u_a = s_a * (dY_a @ B_a) and dB_a = s_a * dY_a^T @ A_a(z_a) (module docstring)."""
+    grad_z, us, grad_b = None, [], []
+    for a, b, s, mid, want_b in zip(lora_a, lora_b, scaling, mids, mask_b):
+        g = grad_y.to(a.dtype)
+        u = (g @ b) * s
+        us.append(u)
+        grad_b.append((_rows(g).t() @ _rows(mid)) * s if want_b else b.new_empty(0))
+        term = (u @ a).to(acc)
+        grad_z = term if grad_z is None else grad_z + term
+    return grad_z, us, grad_b
+
+
+def _a_grads(us, z, lora_a, mask_a):
+    """dA_a = u_a^T @ z_a, with z_a cast as the forward cast it."""
+    grads = []
+    for u, a, want in zip(us, lora_a, mask_a):
+        z = z.to(a.dtype)
+        grads.append(_rows(u).t() @ _rows(z) if want else a.new_empty(0))
+    return grads
+
+
+def _rows(t):
+    return t.reshape(-1, t.shape[-1])
+
+
+def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts,
+                                 lora_mid, output_mask, lora_mask):  # fmt: skip
+    n = len(lora_a)
+    split = lambda seq: _split(seq, counts)  # noqa: E731
+    (ga, ua, da), (gb, ub, db), (gs, us, ds), (gm, um, dm) = map(split, (lora_a, lora_b, scaling, lora_mid))
+    (gma, uma, dma), (gmb, umb, dmb) = split(lora_mask[:n]), split(lora_mask[n:])
+    acc = reference.accumulation_dtype(x.dtype)
+    empty = lambda: x.new_empty(0)  # noqa: E731
+
+    # down: dh = grad_out @ W_down + sum_a u_a @ A_a, kept in fp32 into the GeGLU backward, which recomputes h
+    grad_h = F.linear(grad_out, w_down.t())
+    lora_h, down_us, grad_db = _low_rank_grads(grad_out, da, db, ds, dm, dmb, acc)
+    if lora_h is not None:
+        grad_h = grad_h.to(acc) + lora_h
+    grad_gate, grad_up, h = reference.gelu_tanh_mul_backward(grad_h, gate, up)
+    grad_da = _a_grads(down_us, h, da, dma)
+
+    lora_gx, gate_us, grad_gb = _low_rank_grads(grad_gate, ga, gb, gs, gm, gmb, acc)
+    lora_ux, up_us, grad_ub = _low_rank_grads(grad_up, ua, ub, us, um, umb, acc)
+    grad_ga, grad_ua = _a_grads(gate_us, x, ga, gma), _a_grads(up_us, x, ua, uma)
+    if output_mask[0]:
+        grad_x = F.linear(grad_gate, w_gate.t()).to(acc) + F.linear(grad_up, w_up.t()).to(acc)
+        for term in (lora_gx, lora_ux):
+            if term is not None:
+                grad_x = grad_x + term
+        grad_x = grad_x.to(x.dtype).contiguous()
+    else:
+        grad_x = empty()
+    # full base-weight gradients only when asked for (peft freezes the base weights)
+    grad_wg = _rows(grad_gate).t() @ _rows(x) if output_mask[1] else empty()
+    grad_wu = _rows(grad_up).t() @ _rows(x) if output_mask[2] else empty()
+    grad_wd = _rows(grad_out).t() @ _rows(h) if output_mask[3] else empty()
+    return grad_x, grad_wg, grad_wu, grad_wd, grad_ga + grad_ua + grad_da, grad_gb + grad_ub + grad_db
+
+
+def _forward_kernel(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts):
+    _check_adapters("lora_geglu_mlp_forward", x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts)
+    return lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts)
+
+
+def _op_kernel(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts):
+    _check_adapters("lora_geglu_mlp", x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts)
+    return lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts)[0]
+
+
+def _backward_kernel(*args):
+    _check_backward(*args)
+    return lora_geglu_mlp_backward_math(*args)
+
+
+_lib.impl("lora_geglu_mlp", _op_kernel, "CompositeExplicitAutograd")
+_lib.impl("lora_geglu_mlp_forward", _forward_kernel, "CompositeExplicitAutograd")
+_lib.impl("lora_geglu_mlp_backward", _backward_kernel, "CompositeExplicitAutograd")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fake kernels
+
+
+def _mid_shapes(x, lora_a):
+    return [(*x.shape[:-1], a.shape[0]) for a in lora_a]
+
+
+@torch.library.register_fake("g4ops::lora_geglu_mlp", lib=_lib)
+def _op_fake(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts):
+    _check_adapters("lora_geglu_mlp", x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts)
+    return x.new_empty((*x.shape[:-1], w_down.shape[0]))
+
+
+@torch.library.register_fake("g4ops::lora_geglu_mlp_forward", lib=_lib)
+def _forward_fake(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts):
+    _check_adapters("lora_geglu_mlp_forward", x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts)
+    inter = (*x.shape[:-1], w_gate.shape[0])
+    # A(z) has the adapter's dtype after peft's cast chain: the last cast is to the adapter's own dtype
+    mids = [a.new_empty(shape) for a, shape in zip(lora_a, _mid_shapes(x, lora_a))]
+    return x.new_empty((*x.shape[:-1], w_down.shape[0])), x.new_empty(inter), x.new_empty(inter), mids
+
+
+@torch.library.register_fake("g4ops::lora_geglu_mlp_backward", lib=_lib)
+def _backward_fake(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, lora_mid,
+                   output_mask, lora_mask):  # fmt: skip
+    _check_backward(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, lora_mid,
+                    output_mask, lora_mask)  # fmt: skip
+    n = len(lora_a)
+    base = [t.new_empty(t.shape) if wanted else x.new_empty(0)
+            for t, wanted in zip((x, w_gate, w_up, w_down), output_mask)]  # fmt: skip
+    grad_a = [a.new_empty(a.shape) if wanted else a.new_empty(0) for a, wanted in zip(lora_a, lora_mask[:n])]
+    grad_b = [b.new_empty(b.shape) if wanted else b.new_empty(0) for b, wanted in zip(lora_b, lora_mask[n:])]
+    return (*base, grad_a, grad_b)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autograd: the backward is one registered op, as for geglu_mlp.
+
+
+class _LoraGegluFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scaling, counts, x, w_gate, w_up, w_down, *adapters):
+        n = len(adapters) // 2
+        lora_a, lora_b = list(adapters[:n]), list(adapters[n:])
+        out, gate, up, mids = torch.ops.g4ops.lora_geglu_mlp_forward(x, w_gate, w_up, w_down, lora_a, lora_b,
+                                                                     scaling, counts)  # fmt: skip
+        ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down, *adapters, *mids)
+        ctx.scaling, ctx.counts, ctx.n = scaling, counts, n
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        n = ctx.n
+        x, gate, up, w_gate, w_up, w_down, *rest = ctx.saved_tensors
+        lora_a, lora_b, mids = rest[:n], rest[n : 2 * n], rest[2 * n :]
+        wanted = list(ctx.needs_input_grad[2:])
+        grads = torch.ops.g4ops.lora_geglu_mlp_backward(
+            grad_out.contiguous(), x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, ctx.scaling, ctx.counts, mids,
+            wanted[:4], wanted[4:],
+        )
+        flat = [*grads[:4], *grads[4], *grads[5]]
+        return None, None, *(g if want else None for g, want in zip(flat, wanted))
+
+
+_BELOW_AUTOGRAD = torch._C._after_autograd_keyset
+
+
+def _op_autograd(keyset, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts):
+    tensors = (x, w_gate, w_up, w_down, *lora_a, *lora_b)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _LoraGegluFunction.apply(list(scaling), list(counts), *tensors)
+    return torch.ops.g4ops.lora_geglu_mlp.default.redispatch(keyset & _BELOW_AUTOGRAD, x, w_gate, w_up, w_down, lora_a,
+                                                             lora_b, scaling, counts)  # fmt: skip
+
+
+_lib.impl("lora_geglu_mlp", _op_autograd, "Autograd", with_keyset=True)
+for _name in ("lora_geglu_mlp_forward", "lora_geglu_mlp_backward"):
+    _lib.impl(_name, ops._internal_op_autograd(_name), "Autograd", with_keyset=True)
+
+
+def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), down_adapters=()) -> torch.Tensor:
+    """The Gemma-4 MLP with vanilla LoRA adapters on its projections (module docstring): each `*_adapters` is a
+    sequence of (A [r, in], B [out, r], scale) in peft's order. Weights in nn.Linear layout, no bias."""
+    groups = (gate_adapters, up_adapters, down_adapters)
+    entries = [entry for group in groups for entry in group]
+    for i, entry in enumerate(entries):
+        if len(entry) != 3:
+            raise ValueError(f"g4ops.lora_geglu_mlp: adapter {i} must be (A, B, scale), got {len(entry)} items")
+    return torch.ops.g4ops.lora_geglu_mlp(
+        x, w_gate, w_up, w_down, [e[0] for e in entries], [e[1] for e in entries], [float(e[2]) for e in entries],
+        [len(g) for g in groups],
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# peft's LoRA layer -> (base weight, adapters) or why not
+
+
+def is_peft_lora_layer(module) -> bool:
+    """Any peft LoRA layer (plain, quantized, conv, ...): it has a base layer and lora_A/lora_B dicts."""
+    return hasattr(module, "base_layer") and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+
+
+def _is_plain_lora_linear(module) -> bool:
+    cls = type(module)  # the exact class: peft's quantized LoRA layers are other classes of other modules
+    return cls.__name__ == "Linear" and cls.__module__ == "peft.tuners.lora.layer"
+
+
+def projection_terms(layer, is_plain_linear, x_dtype):
+    """(base weight, [(A, B, scale)]) for a peft lora.Linear the fused path reproduces, else a str: why not."""
+    if not _is_plain_lora_linear(layer):
+        return f"{type(layer).__module__}.{type(layer).__name__} is not peft's plain lora.Linear (quantized base?)"
+    if "forward" in vars(layer) or layer._forward_hooks or layer._forward_pre_hooks:
+        return "the peft layer has hooks or its own forward (e.g. peft's mixed-batch adapter_names)"
+    base = layer.get_base_layer()
+    if not is_plain_linear(base):
+        return f"its base layer is {type(base).__name__}, not a plain bias-free nn.Linear"
+    if getattr(layer, "fan_in_fan_out", False):
+        return "fan_in_fan_out=True"
+    if layer.disable_adapters:
+        if layer.merged:
+            return "adapters are merged but disabled (peft unmerges them inside its forward)"
+        return base.weight, []
+    if layer.merged:
+        return base.weight, []  # the deltas are in the base weight; peft then runs the base layer alone
+    variants, dora = getattr(layer, "lora_variant", {}), getattr(layer, "use_dora", {})
+    terms = []
+    cast = getattr(layer, "cast_input_dtype_enabled", True)
+    for name in layer.active_adapters:
+        if name not in layer.lora_A.keys():
+            continue  # peft skips it too
+        if name in variants or dora.get(name, False):
+            kind = type(variants[name]).__name__ if name in variants else "DoRA"
+            return f"adapter {name!r} is a LoRA variant ({kind})"
+        if layer.lora_bias.get(name, False):
+            return f"adapter {name!r} has lora_bias=True"
+        dropout = layer.lora_dropout[name]
+        identity = type(dropout) is nn.Identity or (
+            type(dropout) is nn.Dropout and (dropout.p == 0 or not dropout.training)
+        )
+        if not identity:
+            return f"adapter {name!r} has lora_dropout {dropout} in training mode (not in the fused path)"
+        lin_a, lin_b = layer.lora_A[name], layer.lora_B[name]
+        if not (is_plain_linear(lin_a) and is_plain_linear(lin_b)):
+            return f"adapter {name!r}'s lora_A/lora_B are not plain bias-free nn.Linear"
+        if lin_a.weight.dtype != lin_b.weight.dtype:
+            return f"adapter {name!r} has lora_A in {lin_a.weight.dtype} but lora_B in {lin_b.weight.dtype}"
+        if not cast and lin_a.weight.dtype != x_dtype:
+            return f"adapter {name!r} is {lin_a.weight.dtype} and peft's input casting is disabled"
+        terms.append((lin_a.weight, lin_b.weight, layer.scaling[name]))
+    return base.weight, terms
+
+
+_logged: set = set()
+
+
+def _explain(reason: str) -> None:
+    # Logging inside a compiled region would break the graph; the eager calls (and the first trace's) say it.
+    if not torch.compiler.is_compiling() and reason not in _logged:
+        _logged.add(reason)
+        logger.info("g4ops: a Gemma4TextMLP keeps peft's forward (not g4ops' fused LoRA MLP): %s", reason)
+
+
+def geglu_mlp(mlp: nn.Module, x: torch.Tensor, is_plain_linear):
+    """The MLP's output through g4ops when each projection is a plain linear (`is_plain_linear`, integration's
+    test) or a peft lora.Linear this module reproduces and at least one is a LoRA layer; None otherwise (the caller
+    runs the stock forward). A LoRA layer it does not reproduce is logged once with the reason."""
+    projections = [getattr(mlp, name, None) for name in _PROJECTIONS]
+    if not any(is_peft_lora_layer(p) for p in projections):
+        return None  # nothing of peft's here: integration's own test decides
+    if torch.is_autocast_enabled(x.device.type):
+        _explain("torch.autocast is on (the fused LoRA path has no autocast rule)")
+        return None
+    weights, groups = [], []
+    for name, proj in zip(_PROJECTIONS, projections):
+        if is_plain_linear(proj):
+            weights.append(proj.weight)
+            groups.append([])
+            continue
+        if not is_peft_lora_layer(proj):
+            return None  # e.g. quantized or hooked without peft: stock, as without LoRA
+        terms = projection_terms(proj, is_plain_linear, x.dtype)
+        if isinstance(terms, str):
+            _explain(f"{name}: {terms}")
+            return None
+        weights.append(terms[0])
+        groups.append(terms[1])
+    if not any(groups):
+        return ops.geglu_mlp(x, *weights)  # merged, disabled or no active adapter: the base weights alone
+    return lora_geglu_mlp(x, *weights, *groups)

@@ -1,0 +1,446 @@
+"""peft LoRA on Gemma-4's MLP through g4ops (g4ops/lora.py): exact against stock peft in fp32, no worse than stock
+against an fp64 oracle in bf16, peft's adapter states (merged, disabled, several adapters, set_adapter), the op
+itself (opcheck, fp64 gradcheck, bad input), the dispatch (the fused op really runs; unsupported LoRA features keep
+peft's forward and say why), torch.compile without graph breaks, and attention projections with LoRA.
+
+Most tests use one Gemma4TextMLP of odd width inside a small holder module that peft wraps (fast); two use the tiny
+E4B-shaped model end to end. The `cuda` parametrisation runs the same checks on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import g4ops
+from g4ops import lora
+from g4ops.models import build_model, text_config
+
+try:
+    from . import oracle as O
+    from .devices import DEVICES
+except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    import oracle as O
+    from devices import DEVICES
+
+peft = pytest.importorskip("peft")
+hf = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
+
+HIDDEN, INTER = 37, 53  # odd on purpose
+TOKENS = (3, 7)
+F32 = torch.float32
+BF16 = torch.bfloat16
+FUSED_TRAIN = ("g4ops.lora_geglu_mlp_forward.default", "g4ops.lora_geglu_mlp_backward.default")
+
+
+@pytest.fixture(autouse=True)
+def _always_disabled():
+    g4ops.disable()
+    yield
+    g4ops.disable()
+
+
+class _Counter(TorchDispatchMode):
+    """g4ops op calls by name (as tests/test_distributed.py counts them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith("g4ops."):
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Holder(nn.Module):
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+def _mlp_model(device="cpu", dtype=F32, targets=("gate_proj", "up_proj", "down_proj"), seed=0, **lora_kwargs):
+    """peft around one Gemma4TextMLP [HIDDEN -> INTER -> HIDDEN]. init_lora_weights=False: B is random, not zero,
+    so every adapter changes the output."""
+    config = text_config("tiny-e4b")
+    config.hidden_size, config.intermediate_size = HIDDEN, INTER
+    torch.manual_seed(seed)
+    mlp = hf.Gemma4TextMLP(config, 0)
+    holder = _Holder(mlp).to(device=device, dtype=dtype)
+    settings = dict(r=3, lora_alpha=5, target_modules=list(targets), init_lora_weights=False)
+    settings.update(lora_kwargs)
+    model = peft.get_peft_model(holder, peft.LoraConfig(**settings))
+    return model.to(device)
+
+
+def _inputs(device, dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = O.make_tensor((*TOKENS, HIDDEN), dtype, gen, device=device)
+    grad_out = O.make_tensor((*TOKENS, HIDDEN), dtype, gen, device=device)
+    return x, grad_out
+
+
+def _run(model, x, grad_out, enabled: bool):
+    """(output, x's gradient, {trainable parameter: gradient}, g4ops op calls), with g4ops enabled or not."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    counter = _Counter()
+    with g4ops.enable() if enabled else _nothing(), counter:
+        out = model(x)
+        out.backward(grad_out)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+    assert not frozen, f"frozen parameters got gradients: {frozen}"
+    return out.detach(), x.grad, grads, counter.calls
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _fp32_tol(k: int) -> float:
+    """fp32 results that differ from stock only by summation order and a few roundings (derived, oracle.py)."""
+    return O.tolerance(F32, k, roundings=4)
+
+
+def _assert_matches_stock(stock, ours, device):
+    (o0, x0, g0, _), (o1, x1, g1, calls) = stock, ours
+    if device == "cpu":
+        assert torch.equal(o0, o1)  # the same ATen kernels in the same order: bit for bit
+    else:
+        assert O.rel_err(o1, o0) <= _fp32_tol(INTER)
+    assert O.rel_err(x1, x0) <= _fp32_tol(INTER)
+    assert g0.keys() == g1.keys() and g0 and all("lora_" in n for n in g0)
+    for name in g0:
+        assert g1[name] is not None, name
+        assert O.rel_err(g1[name], g0[name]) <= _fp32_tol(TOKENS[0] * TOKENS[1]), name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fp32: exact against stock peft, fused path taken
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("targets", [("gate_proj", "up_proj", "down_proj"), ("gate_proj",), ("up_proj", "down_proj"),
+                                     ("down_proj",)])  # fmt: skip
+def test_fp32_matches_peft_and_takes_the_fused_path(device, targets):
+    model = _mlp_model(device, targets=targets).train()
+    x, grad_out = _inputs(device, F32)
+    stock = _run(model, x, grad_out, enabled=False)
+    ours = _run(model, x, grad_out, enabled=True)
+    _assert_matches_stock(stock, ours, device)
+    assert all(ours[3].get(op) == 1 for op in FUSED_TRAIN), ours[3]
+    assert not stock[3]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rslora_and_set_scale_use_peft_scaling(device):
+    model = _mlp_model(device, use_rslora=True, r=4, lora_alpha=3).train()
+    layer = model.base_model.model.mlp.up_proj
+    assert layer.scaling["default"] == 3 / 4**0.5  # peft's rsLoRA: alpha / sqrt(r)
+    layer.set_scale("default", 0.7)  # then alpha / sqrt(r) * 0.7
+    x, grad_out = _inputs(device, F32)
+    stock, ours = _run(model, x, grad_out, False), _run(model, x, grad_out, True)
+    _assert_matches_stock(stock, ours, device)
+    assert all(ours[3].get(op) == 1 for op in FUSED_TRAIN)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bf16: no worse than stock against fp64
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("adapter_fp32", [True, False], ids=["fp32-adapters", "bf16-adapters"])
+def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32):
+    # peft's default (autocast_adapter_dtype=True) keeps a bf16 model's adapters in fp32
+    model = _mlp_model(device, BF16).train()
+    if not adapter_fp32:
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.to(BF16)
+    dtypes = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
+    assert dtypes == {F32 if adapter_fp32 else BF16}
+    exact = copy.deepcopy(model).double()
+    x, grad_out = _inputs(device, BF16)
+    truth = _run(exact, x.double(), grad_out.double(), enabled=False)
+    stock = _run(model, x, grad_out, enabled=False)
+    ours = _run(model, x, grad_out, enabled=True)
+    assert all(ours[3].get(op) == 1 for op in FUSED_TRAIN)
+    n = TOKENS[0] * TOKENS[1]
+    pairs = [("out", ours[0], stock[0], truth[0], INTER), ("grad_x", ours[1], stock[1], truth[1], INTER)]
+    pairs += [(name, ours[2][name], stock[2][name], truth[2][name], n) for name in truth[2]]
+    for name, g4, st, ref, k in pairs:
+        O.assert_no_worse_than_stock(name, O.rel_err(g4, ref), O.rel_err(st, ref),
+                                     O.floor(BF16, k, ref.numel()))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# peft's adapter states
+
+
+def _add_second_adapter(model):
+    second = peft.LoraConfig(r=2, lora_alpha=7, use_rslora=True, target_modules=["gate_proj", "down_proj"],
+                             init_lora_weights=False)  # fmt: skip
+    model.add_adapter("second", second)
+    return model
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_several_active_adapters_and_set_adapter(device):
+    model = _add_second_adapter(_mlp_model(device)).train()
+    x, grad_out = _inputs(device, F32)
+    for active in (["default", "second"], ["second"], "default"):
+        model.base_model.set_adapter(active)
+        stock, ours = _run(model, x, grad_out, False), _run(model, x, grad_out, True)
+        _assert_matches_stock(stock, ours, device)
+        names = [active] if isinstance(active, str) else active
+        assert {n.split(".")[-2] for n in ours[2]} == set(names)  # the active adapters train, the others not
+        assert all(ours[3].get(op) == 1 for op in FUSED_TRAIN)
+
+
+def _forward_calls(model, x):
+    counter = _Counter()
+    with torch.no_grad(), g4ops.enable(), counter:
+        out = model(x)
+    return out, counter.calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merged_disabled_and_unmerged_adapters(device, caplog):
+    model = _add_second_adapter(_mlp_model(device)).eval()
+    model.base_model.set_adapter(["default", "second"])
+    x, _ = _inputs(device, F32)
+    with torch.no_grad():
+        unmerged = model(x)
+        with model.disable_adapter():
+            base_only = model(x)
+    assert O.rel_err(base_only, unmerged) > 1e-2  # the adapters do change the output
+
+    out, calls = _forward_calls(model, x)
+    assert calls == {"g4ops.lora_geglu_mlp.default": 1} and O.rel_err(out, unmerged) <= _fp32_tol(INTER)
+    with model.disable_adapter():
+        out, calls = _forward_calls(model, x)
+    assert calls == {"g4ops.geglu_mlp.default": 1} and torch.equal(out, base_only)
+
+    model.merge_adapter()
+    with torch.no_grad():
+        merged_stock = model(x)
+    out, calls = _forward_calls(model, x)
+    assert calls == {"g4ops.geglu_mlp.default": 1}  # the base weights hold the deltas
+    assert torch.equal(out, merged_stock) if device == "cpu" else O.rel_err(out, merged_stock) <= _fp32_tol(INTER)
+    assert O.rel_err(out, unmerged) <= 1e-4  # merging reassociates fp32 sums only
+
+    # merged and disabled: peft unmerges inside its forward, so that call is peft's (and says so)
+    caplog.set_level(logging.INFO, logger="g4ops")
+    with model.disable_adapter():
+        out, calls = _forward_calls(model, x)
+        assert not calls and O.rel_err(out, base_only) <= 1e-5
+        assert "merged but disabled" in caplog.text
+        out, calls = _forward_calls(model, x)  # now unmerged: fused again
+        assert calls == {"g4ops.geglu_mlp.default": 1}
+    out, calls = _forward_calls(model, x)
+    assert calls == {"g4ops.lora_geglu_mlp.default": 1} and O.rel_err(out, unmerged) <= 1e-4
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What the fused path does not implement falls back to peft, and says why
+
+
+@pytest.mark.parametrize(
+    "settings, reason",
+    [
+        (dict(use_dora=True), "LoRA variant (DoraLinearVariant)"),
+        (dict(lora_dropout=0.1), "lora_dropout"),
+        (dict(lora_bias=True), "lora_bias=True"),
+    ],
+    ids=["dora", "dropout", "lora_bias"],
+)
+def test_unsupported_variants_keep_peft_forward_and_log(settings, reason, caplog):
+    caplog.set_level(logging.INFO, logger="g4ops")
+    lora._logged.clear()
+    model = _mlp_model(**settings).train()
+    x, grad_out = _inputs("cpu", F32)
+    torch.manual_seed(5)  # dropout draws: the same masks in both runs
+    stock = _run(model, x, grad_out, False)
+    torch.manual_seed(5)
+    ours = _run(model, x, grad_out, True)
+    assert torch.equal(stock[0], ours[0]) and ours[3] == {}  # peft's own forward, not g4ops'
+    for name in stock[2]:
+        assert torch.equal(stock[2][name], ours[2][name]), name
+    assert reason in caplog.text
+    records = [r for r in caplog.records if r.name == "g4ops" and reason in r.getMessage()]
+    assert len(records) == 1, "the reason is logged once"
+    ours = _run(model, x, grad_out, True)
+    assert len([r for r in caplog.records if r.name == "g4ops" and reason in r.getMessage()]) == 1
+
+
+def test_dropout_in_eval_mode_is_fused():
+    model = _mlp_model(lora_dropout=0.1).eval()  # dropout is the identity in eval mode
+    x, grad_out = _inputs("cpu", F32)
+    stock, ours = _run(model, x, grad_out, False), _run(model, x, grad_out, True)
+    _assert_matches_stock(stock, ours, "cpu")
+    assert all(ours[3].get(op) == 1 for op in FUSED_TRAIN)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The op: low-rank gradients only, opcheck, gradcheck, bad input
+
+
+def _op_args(dtype=torch.float64, adapter_dtype=None, counts=(1, 2, 1), device="cpu", seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    adapter_dtype = adapter_dtype or dtype
+    x = O.make_tensor((2, 3, 5), dtype, gen, device=device)
+    wg, wu, wd = O.make_mlp_weights(5, 7, dtype, gen, device=device)
+    dims = [(5, 7)] * (counts[0] + counts[1]) + [(7, 5)] * counts[2]
+    ranks = [2, 3, 1, 2][: len(dims)]
+    lora_a = [O.make_tensor((r, i), adapter_dtype, gen, device=device, scale=i**-0.5) for r, (i, _) in zip(ranks, dims)]
+    lora_b = [O.make_tensor((o, r), adapter_dtype, gen, device=device, scale=r**-0.5) for r, (_, o) in zip(ranks, dims)]
+    scaling = [0.5, 1.75, 2.0, 0.3][: len(dims)]
+    return x, wg, wu, wd, lora_a, lora_b, scaling, list(counts)
+
+
+_PRODUCTS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
+
+
+def test_backward_computes_no_full_weight_gradient_when_the_base_is_frozen():
+    x, wg, wu, wd, lora_a, lora_b, scaling, counts = _op_args(F32)
+    out, gate, up, mids = torch.ops.g4ops.lora_geglu_mlp_forward(x, wg, wu, wd, lora_a, lora_b, scaling, counts)
+    grad_out = torch.randn_like(out)
+    weight_shapes = {tuple(w.shape) for w in (wg, wu, wd)} | {tuple(w.shape)[::-1] for w in (wg, wu, wd)}
+
+    class Shapes(TorchDispatchMode):  # the shapes of every matrix product
+        def __init__(self):
+            super().__init__()
+            self.shapes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if func.overloadpacket in _PRODUCTS:
+                self.shapes.add(tuple(result.shape))
+            return result
+
+    n = len(lora_a)
+    for base_mask in ([True, False, False, False], [True, True, True, True]):
+        mode = Shapes()
+        with mode:
+            grads = lora.lora_geglu_mlp_backward_math(grad_out, x, gate, up, wg, wu, wd, lora_a, lora_b, scaling,
+                                                      counts, mids, base_mask, [True] * (2 * n))  # fmt: skip
+        full = mode.shapes & weight_shapes
+        assert bool(full) == any(base_mask[1:]), f"weight-sized tensors computed: {full}"
+        for g, wanted, w in zip(grads[1:4], base_mask[1:], (wg, wu, wd)):
+            assert g.shape == (w.shape if wanted else (0,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    x, wg, wu, wd, lora_a, lora_b, scaling, counts = _op_args(F32, device=device)
+    x.requires_grad_()
+    for t in (*lora_a, *lora_b):
+        t.requires_grad_()
+    torch.library.opcheck(torch.ops.g4ops.lora_geglu_mlp.default, (x, wg, wu, wd, lora_a, lora_b, scaling, counts))
+    # bf16 activations with fp32 adapters (peft's default for a bf16 model); the cheap subsets
+    x, wg, wu, wd, lora_a, lora_b, scaling, counts = _op_args(BF16, adapter_dtype=F32, counts=(0, 1, 2), device=device)
+    torch.library.opcheck(torch.ops.g4ops.lora_geglu_mlp.default, (x, wg, wu, wd, lora_a, lora_b, scaling, counts),
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+
+
+def test_gradcheck_fp64_every_input():
+    x, wg, wu, wd, lora_a, lora_b, scaling, counts = _op_args()
+    n = len(lora_a)
+    tensors = [t.detach().requires_grad_() for t in (x, wg, wu, wd, *lora_a, *lora_b)]
+
+    def fn(*t):
+        return torch.ops.g4ops.lora_geglu_mlp(*t[:4], list(t[4 : 4 + n]), list(t[4 + n :]), scaling, counts)
+
+    assert torch.autograd.gradcheck(fn, tensors)
+    # frozen base weights and x without grad (LoRA on the first layer): only the adapters
+    frozen = [t.detach() for t in tensors[:4]] + tensors[4:]
+    assert torch.autograd.gradcheck(fn, frozen)
+
+
+def test_bad_input_names_the_argument():
+    x, wg, wu, wd, lora_a, lora_b, scaling, counts = _op_args(F32)
+    op = torch.ops.g4ops.lora_geglu_mlp
+    with pytest.raises(RuntimeError, match="`lora_b\\[1\\]` must be"):
+        op(x, wg, wu, wd, lora_a, [lora_b[0], lora_b[1][:, :1], *lora_b[2:]], scaling, counts)
+    with pytest.raises(RuntimeError, match="`lora_a` has 3 entries"):
+        op(x, wg, wu, wd, lora_a[:3], lora_b[:3], scaling[:3], counts)
+    with pytest.raises(RuntimeError, match="`lora_a\\[3\\]` must be \\[r, 7\\]"):
+        op(x, wg, wu, wd, lora_a[:3] + [lora_a[0]], lora_b, scaling, counts)
+    with pytest.raises(TypeError, match="`lora_b\\[0\\]` is torch.float64 but `lora_a\\[0\\]` is torch.float32"):
+        op(x, wg, wu, wd, lora_a, [lora_b[0].double(), *lora_b[1:]], scaling, counts)
+    with pytest.raises(ValueError, match="adapter 0 must be \\(A, B, scale\\)"):
+        lora.lora_geglu_mlp(x, wg, wu, wd, [(lora_a[0], lora_b[0])])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch.compile
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_fullgraph_has_no_graph_breaks_and_matches_eager(device):
+    model = _mlp_model(device).train()
+    x, grad_out = _inputs(device, F32)
+    eager = _run(model, x, grad_out, True)
+    with g4ops.enable():
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(model)(x)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        assert any("lora_geglu_mlp" in g.code for g in explanation.graphs)
+        compiled = torch.compile(model, fullgraph=True)
+        model.zero_grad(set_to_none=True)
+        xs = x.detach().clone().requires_grad_()
+        out = compiled(xs)
+        out.backward(grad_out)
+    assert O.rel_err(out, eager[0]) <= _fp32_tol(INTER)
+    assert O.rel_err(xs.grad, eager[1]) <= _fp32_tol(INTER)
+    for name, g in eager[2].items():
+        p = dict(model.named_parameters())[name]
+        assert O.rel_err(p.grad, g) <= _fp32_tol(TOKENS[0] * TOKENS[1]), name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The whole tiny model: LoRA on every projection, attention's included
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiny_model_lora_on_all_projections_matches_stock(device):
+    base = build_model("tiny-e4b").to(device)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    model = peft.get_peft_model(base, config).train()
+    ids = torch.randint(3, base.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def step(enabled):
+        model.zero_grad(set_to_none=True)
+        counter = _Counter()
+        with g4ops.enable() if enabled else _nothing(), counter:
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, counter.calls
+
+    loss0, grads0, _ = step(False)
+    loss1, grads1, calls = step(True)
+    layers = base.config.num_hidden_layers
+    assert all(calls.get(op) == layers for op in FUSED_TRAIN), calls
+    assert abs(loss1.item() - loss0.item()) <= _fp32_tol(base.config.vocab_size) * abs(loss0.item())
+    for proj in targets:  # every projection's adapters train, attention's too
+        assert any(f"{proj}.lora_A" in n for n in grads1), proj
+    for name, g in grads0.items():
+        assert grads1[name] is not None, name
+        # a 6-layer model: the fp32 reassociation noise of each layer's ops adds up (tests/test_integration.py's
+        # whole-model bound is of the same size)
+        assert O.rel_err(grads1[name], g) <= layers * _fp32_tol(base.config.hidden_size * 21), name
