@@ -233,10 +233,12 @@ def stop(proc, timeout: float) -> int:
         return -9
 
 
-def measure(server: str, url: str, args, levels: list[int], stop_on_error: bool = False) -> dict:
-    """Every level against one running server (up to the first failed one with `stop_on_error`)."""
-    listed = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
-    model = listed[0]["id"] if listed else args.model
+def measure(server: str, url: str, args, levels: list[int], stop_on_error: bool = False, model: str | None = None,
+            ) -> dict:  # fmt: skip
+    """Every level against one running server (up to the first failed one with `stop_on_error`). `model`: the id
+    requests name (default: the first of /v1/models)."""
+    if model is None:
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     run = {"server": server, "url": url, "model": model, "levels": []}
     rng = random.Random(args.seed)  # both servers get the same prompts
     print(f"== {server} ({model})\n{'conc':>5}{'reqs':>6}{'out tok/s':>11}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}"
@@ -264,8 +266,12 @@ def launch_and_measure(server: str, args, model_dir: str, levels: list[int], bas
         return {"server": server, "error": str(exc), "levels": []}
     # a continuous-batching attempt stops at its first failed level: the fallback reruns them all
     cb_attempt = server == "transformers" and "--continuous-batching" in baseline_args.split()
+    # transformers serve names a forced model by its path (and 5.6's /v1/models fails without a hub cache)
+    model = model_dir if server == "transformers" else None
     try:
-        run = measure(server, url, args, levels, stop_on_error=cb_attempt)
+        run = measure(server, url, args, levels, stop_on_error=cb_attempt, model=model)
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:  # the other server still runs
+        run = {"server": server, "url": url, "error": f"{type(exc).__name__}: {exc}", "levels": []}
     finally:
         code = stop(proc, timeout=60)
     return dict(run, server_args=baseline_args if server == "transformers" else None, server_exit_code=code)

@@ -187,9 +187,19 @@ def test_serve_smoke(tmp_path):
             assert row["prompt_tokens"] == [12]  # 11 letters + BOS with the byte-level tokenizer, both servers
             assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"] and row["tpot_ms"]["n"] == row["requests"]
     assert res["runs"][0]["server_exit_code"] in (0, -15)  # SIGTERM: uvicorn stops cleanly, then re-raises it
-    pytest.importorskip("matplotlib")  # the bench extra
-    _run(["bench/serve.py", "--plot-only", str(out), "--plot", str(tmp_path / "serve.png")], tmp_path)
-    assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_serve_plot(tmp_path):
+    """bench/serve.py --plot-only draws saved results (matplotlib: the bench extra)."""
+    pytest.importorskip("matplotlib")
+    level = dict(concurrency=1, output_tok_s=10.0, tpot_ms=dict(p50=1.0, p99=2.0))
+    results = dict(config=dict(shape="tiny-e4b", prompt_tokens=12, output_tokens=4), environment=dict(date="today"),
+                   runs=[dict(server="g4ops", levels=[level, dict(level, concurrency=2)]),
+                         dict(server="transformers", levels=[dict(concurrency=1, error="refused")])])  # fmt: skip
+    (tmp_path / "serve.json").write_text(json.dumps(results))
+    _run(["bench/serve.py", "--plot-only", str(tmp_path / "serve.json"), "--plot", str(tmp_path / "serve.png")],
+         tmp_path)  # fmt: skip
+    assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_sampling_smoke(tmp_path):
