@@ -335,3 +335,25 @@ def test_cuda_routed_generate_left_padded_matches_stock():
             ids, NEW, eos_token_id=1, attention_mask=mask, min_new_tokens=NEW)
     assert torch.equal(out, eager)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_decoder_captures_the_uncompiled_step_when_compiling_fails(caplog):
+    """A step torch.compile cannot build (simulated) costs speed, never the call: the warm-up logs why, captures the
+    uncompiled step, and the tokens are the eager step's."""
+    import logging
+
+    model = build_model("tiny-e4b", device="cuda")
+    ids = _prompt(model).cuda()
+    decoder = GreedyDecoder(model, batch_size=2, max_length=64, compile=True)
+
+    def refused():
+        raise RuntimeError("simulated compiler failure")
+
+    decoder.step_fn = refused
+    with caplog.at_level(logging.WARNING, logger="g4ops"):
+        out = decoder.generate(ids, NEW)
+    assert "compiling the decode step failed" in caplog.text and "simulated compiler failure" in caplog.text
+    assert decoder.step_fn == decoder._step and decoder.graph is not None
+    assert torch.equal(out, GreedyDecoder(model, batch_size=2, max_length=64, cuda_graph=False).generate(ids, NEW))

@@ -201,7 +201,15 @@ class Decoder:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(3):
-                    self.run_step()
+                    try:
+                        self.run_step()
+                    except Exception as e:  # noqa: BLE001 - any compiler failure: the uncompiled step still works
+                        if self.step_fn == self._step:  # bound methods: equal, never identical
+                            raise
+                        logger.warning("g4ops: compiling the decode step failed; it runs as a CUDA graph of the "
+                                       "uncompiled step (slower): %s: %s", type(e).__name__, e)  # fmt: skip
+                        self.step_fn = self._step
+                        self.run_step()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # one memory pool for the decoder's graphs: they never run concurrently, and each writes its results
