@@ -191,7 +191,7 @@ def server_command(server: str, args, model_dir: str, port: int, max_batch: int,
         for flag in ("device", "dtype"):
             if getattr(args, flag):
                 cmd += [f"--{flag}", getattr(args, flag)]
-        return cmd
+        return cmd + args.g4ops_args.split()
     cmd = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", model_dir, *common]
     if args.device:
         cmd += ["--device", args.device]
@@ -274,7 +274,8 @@ def launch_and_measure(server: str, args, model_dir: str, levels: list[int], bas
         run = {"server": server, "url": url, "error": f"{type(exc).__name__}: {exc}", "levels": []}
     finally:
         code = stop(proc, timeout=60)
-    return dict(run, server_args=baseline_args if server == "transformers" else None, server_exit_code=code)
+    return dict(run, server_args=baseline_args if server == "transformers" else args.g4ops_args,
+                server_exit_code=code)
 
 
 def plot(results: dict, path: str) -> None:
@@ -312,6 +313,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", help="without --model: random weights of this shape (e4b; default tiny-e4b)")
     ap.add_argument("--device", help="for the launched servers")
     ap.add_argument("--dtype", help="for the launched servers (default: bfloat16 on CUDA, float32 on a CPU)")
+    ap.add_argument("--g4ops-args", default="", help="extra arguments of `python -m g4ops serve` (e.g. --compile)")
     ap.add_argument("--baseline-args", default="--continuous-batching",
                     help="extra arguments of `transformers serve` (default: %(default)s)")
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")
