@@ -406,22 +406,20 @@ _logged: set = set()
 
 
 def _explain(reason: str) -> None:
-    # Logging inside a compiled region would break the graph; the eager calls (and the first trace's) say it.
+    # Logging inside a compiled region would break the graph: eager calls say it (`fallback_reason` answers anytime).
     if not torch.compiler.is_compiling() and reason not in _logged:
         _logged.add(reason)
         logger.info("g4ops: a Gemma4TextMLP keeps peft's forward (not g4ops' fused LoRA MLP): %s", reason)
 
 
-def geglu_mlp(mlp: nn.Module, x: torch.Tensor, is_plain_linear):
-    """The MLP's output through g4ops when each projection is a plain linear (`is_plain_linear`, integration's
-    test) or a peft lora.Linear this module reproduces and at least one is a LoRA layer; None otherwise (the caller
-    runs the stock forward). A LoRA layer it does not reproduce is logged once with the reason."""
+def _plan(mlp: nn.Module, x_dtype, device_type: str, is_plain_linear):
+    """None: no peft layer here (integration's own test decides); a str: why the fused path does not reproduce it;
+    else (the three base weights, the three projections' adapter lists)."""
     projections = [getattr(mlp, name, None) for name in _PROJECTIONS]
     if not any(is_peft_lora_layer(p) for p in projections):
-        return None  # nothing of peft's here: integration's own test decides
-    if torch.is_autocast_enabled(x.device.type):
-        _explain("torch.autocast is on (the fused LoRA path has no autocast rule)")
         return None
+    if torch.is_autocast_enabled(device_type):
+        return "torch.autocast is on (the fused LoRA path has no autocast rule)"
     weights, groups = [], []
     for name, proj in zip(_PROJECTIONS, projections):
         if is_plain_linear(proj):
@@ -429,13 +427,36 @@ def geglu_mlp(mlp: nn.Module, x: torch.Tensor, is_plain_linear):
             groups.append([])
             continue
         if not is_peft_lora_layer(proj):
-            return None  # e.g. quantized or hooked without peft: stock, as without LoRA
-        terms = projection_terms(proj, is_plain_linear, x.dtype)
+            return f"{name} is a {type(proj).__name__}, neither a plain nn.Linear nor a peft LoRA layer"
+        terms = projection_terms(proj, is_plain_linear, x_dtype)
         if isinstance(terms, str):
-            _explain(f"{name}: {terms}")
-            return None
+            return f"{name}: {terms}"
         weights.append(terms[0])
         groups.append(terms[1])
+    return weights, groups
+
+
+def geglu_mlp(mlp: nn.Module, x: torch.Tensor, is_plain_linear):
+    """The MLP's output through g4ops when at least one projection is a peft LoRA layer and each is either a plain
+    linear (`is_plain_linear`, integration's test) or a peft lora.Linear this module reproduces; None otherwise (the
+    caller runs the stock forward). A LoRA layer it does not reproduce is logged once with the reason."""
+    plan = _plan(mlp, x.dtype, x.device.type, is_plain_linear)
+    if plan is None:
+        return None
+    if isinstance(plan, str):
+        _explain(plan)
+        return None
+    weights, groups = plan
     if not any(groups):
         return ops.geglu_mlp(x, *weights)  # merged, disabled or no active adapter: the base weights alone
     return lora_geglu_mlp(x, *weights, *groups)
+
+
+def fallback_reason(mlp: nn.Module) -> str | None:
+    """Why this Gemma4TextMLP with peft LoRA layers would keep peft's forward under g4ops.enable() (None: it runs
+    g4ops' fused path, or has no peft layer). For compiled models, whose traces do not log: call it outside."""
+    from .integration import _is_plain_linear  # integration imports this module
+
+    weight = mlp.gate_proj.get_base_layer().weight if is_peft_lora_layer(mlp.gate_proj) else mlp.gate_proj.weight
+    plan = _plan(mlp, weight.dtype, weight.device.type, _is_plain_linear)
+    return plan if isinstance(plan, str) else None

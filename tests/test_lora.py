@@ -93,8 +93,8 @@ def _run(model, x, grad_out, enabled: bool):
     """(output, x's gradient, {trainable parameter: gradient}, g4ops op calls), with g4ops enabled or not."""
     model.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
-    counter = _Counter()
-    with g4ops.enable() if enabled else _nothing(), counter:
+    counter = _Counter()  # only around g4ops (stock under a Python dispatch mode is slow)
+    with g4ops.enable() if enabled else _nothing(), counter if enabled else _nothing():
         out = model(x)
         out.backward(grad_out)
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
@@ -143,7 +143,7 @@ def test_fp32_matches_peft_and_takes_the_fused_path(device, targets):
     ours = _run(model, x, grad_out, enabled=True)
     _assert_matches_stock(stock, ours, device)
     assert all(ours[3].get(op) == 1 for op in FUSED_TRAIN), ours[3]
-    assert not stock[3]
+    assert lora.fallback_reason(model.base_model.model.mlp) is None
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -280,7 +280,7 @@ def test_unsupported_variants_keep_peft_forward_and_log(settings, reason, caplog
     assert torch.equal(stock[0], ours[0]) and ours[3] == {}  # peft's own forward, not g4ops'
     for name in stock[2]:
         assert torch.equal(stock[2][name], ours[2][name]), name
-    assert reason in caplog.text
+    assert reason in caplog.text and reason in lora.fallback_reason(model.base_model.model.mlp)
     records = [r for r in caplog.records if r.name == "g4ops" and reason in r.getMessage()]
     assert len(records) == 1, "the reason is logged once"
     ours = _run(model, x, grad_out, True)
@@ -427,7 +427,7 @@ def test_tiny_model_lora_on_all_projections_matches_stock(device):
     def step(enabled):
         model.zero_grad(set_to_none=True)
         counter = _Counter()
-        with g4ops.enable() if enabled else _nothing(), counter:
+        with g4ops.enable() if enabled else _nothing(), counter if enabled else _nothing():
             loss = model(ids, labels=ids).loss
             loss.backward()
         return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, counter.calls
