@@ -33,6 +33,10 @@ Parts (`--parts`, comma-separated; default all):
           as OOM and the run goes on.
           `--g4ops-attention`: the g4ops variants also run g4ops attention (`enable(model, attention=True)`);
           `--sliding stock` keeps its sliding layers on stock SDPA instead of FlexAttention (compiled CUDA only).
+          `--lora R`: every variant trains peft LoRA adapters of rank R (alpha 2R, dropout 0, peft's init) on
+          q/k/v/o/gate/up/down with the base weights frozen, instead of a full finetune (name the `--json` file
+          with "lora"). The g4ops rows record `lora_mlp_fallback`: empty when every MLP runs g4ops' fused LoRA
+          path (g4ops/lora.py), else why not.
   parity  bf16: stock greedy decode of `--parity-tokens`, then teacher-forced top-1 agreement of g4ops with stock
           over that sequence; g4ops' own greedy decode and its first divergence from stock, with the stock and
           g4ops top-1/top-2 logit margins there. Noise floor: the same bf16 weights cast to fp32 (stock modules) give
@@ -358,9 +362,22 @@ def make_optimizer(name: str, model, device: str):
     """None (fwd + bwd only), torch's AdamW (fused on CUDA, its fastest), or g4ops.optim.AdamW; same settings."""
     if name == "none":
         return None
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=device.startswith("cuda"))
-    return g4ops.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+        return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=device.startswith("cuda"))
+    return g4ops.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_model(model, rank: int):
+    """peft LoRA of `rank` on every Gemma-4 text projection, as a LoRA finetune sets it up (base weights frozen)."""
+    import peft
+
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                             task_type="CAUSAL_LM")  # fmt: skip
+    return peft.get_peft_model(model, config)
 
 
 def train_variant(args, variant: str, seq: int, ids: torch.Tensor) -> list[dict]:
@@ -385,6 +402,12 @@ def train_variant(args, variant: str, seq: int, ids: torch.Tensor) -> list[dict]
                 apply, liger_undo, version = liger_patch()
                 apply(model)
                 common["liger_version"] = version
+            if args.lora:
+                state["model"] = model = lora_model(model, args.lora)
+                common["lora_r"] = args.lora
+                if use_g4ops:  # asked outside the compiled step, whose trace does not log
+                    mlps = [m for m in model.modules() if type(m).__name__ == "Gemma4TextMLP"]
+                    common["lora_mlp_fallback"] = sorted({g4ops.lora.fallback_reason(m) for m in mlps} - {None})
             state["step_model"] = step_model = torch.compile(model) if variant.endswith("compile") else model
             if any(o != "none" for o in args.optimizers):
                 state["initial"] = [p.detach().to("cpu", copy=True) for p in model.parameters()]
@@ -637,7 +660,7 @@ def write_json(args, results):
 
 
 def print_row(row):
-    keys = ("part", "variant", "batch", "seq", "optimizer", "tok_s", "peak_gib", "speedup_vs_stock", "first_loss",
+    keys = ("part", "variant", "batch", "seq", "lora_r", "optimizer", "tok_s", "peak_gib", "speedup_vs_stock", "first_loss",
             "loss_matches_stock", "first_step_s", "warmup_s", "first_fast_token",
             "first_fast_token_since_process_start_s", "error")
     print("  ".join(f"{k}={fmt(row[k])}" for k in keys if k in row), flush=True)
@@ -702,6 +725,8 @@ def parse_args(argv=None):
                     help="train: the g4ops variants also run g4ops attention (enable(model, attention=True))")
     ap.add_argument("--sliding", choices=["flex", "stock"], default="flex",
                     help="with --g4ops-attention, compiled on CUDA: sliding layers on FlexAttention or stock SDPA")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="train: peft LoRA of rank R on every projection instead of a full finetune (0: full)")
     ap.add_argument("--optimizers", default="none,adamw,g4ops-adamw",
                     help="train, any of: none (fwd+bwd), adamw (torch.optim.AdamW, fused on CUDA), g4ops-adamw "
                          "(g4ops.optim.AdamW); all on one compiled model per variant")
