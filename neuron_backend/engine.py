@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import queue
 import random
 import threading
 
@@ -110,6 +111,29 @@ class NeuronEngine(BatchEngine):
         idle = torch.zeros(b, dtype=torch.long)
         for t in [*sorted(self.settings.prefill_buckets), 1]:
             self._call(torch.full((b, t), pad, dtype=torch.long), idle, idle)
+
+    def stream(self, prompt_ids, params: SamplingParams, timeout: float | None = None):
+        """Iterate one request's TokenEvents as they come (the last has a finish_reason). Without start() it runs
+        the loop itself (engine.step() in this thread, as `python -m neuron_backend generate`); with the engine
+        thread running it waits on its events. Closing the iterator early cancels the request."""
+        events: queue.Queue = queue.Queue()
+        rid = self.submit(prompt_ids, params, events.put)
+        finished = False
+        try:
+            while True:
+                if self._thread is None:
+                    while events.empty():
+                        self.step()
+                event = events.get(timeout=timeout)
+                finished = event.finish_reason is not None
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.cancel(rid)
+                if self._thread is None:
+                    self._apply_cancels()
 
     # -- the loop's model side ----------------------------------------------------------------------------------
     def _call(self, ids, start, valid) -> list[int]:

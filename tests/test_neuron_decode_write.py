@@ -20,6 +20,15 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny matmuls: one intra-op thread is faster, and far faster on a shared, loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def hf():
     return build_model("tiny-e4b")

@@ -27,6 +27,15 @@ BUCKETS = (8, 16)  # a 21-token prompt takes two prefill calls (16 + 5 padded to
 DEADLINE_S = 30.0
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny matmuls: one intra-op thread is faster, and far faster on a shared, loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def hf():
     return build_model("tiny-e4b")
@@ -168,3 +177,17 @@ def test_bad_requests_cancel_and_shutdown(hf):
     assert e.finish_reason == "cancelled" and held > rid
     with pytest.raises(RuntimeError, match="shutdown"):
         eng.submit([5], SamplingParams(max_new_tokens=1), lambda e: None)
+
+
+def test_stream_iterates_the_events_and_closing_it_cancels(engine, hf):
+    prompt = _prompt(10, 8)
+    events = list(engine.stream(prompt, SamplingParams(max_new_tokens=6, temperature=0)))
+    assert [e.token_id for e in events] == _greedy(hf, prompt, 6)
+    assert [e.finish_reason for e in events] == [None] * 5 + ["length"]
+    it = engine.stream(prompt, SamplingParams(max_new_tokens=30, temperature=0))
+    assert next(it).token_id == events[0].token_id
+    it.close()
+    assert engine.stats().running == 0 and engine.stats().waiting == 0
+    engine.start()  # with the engine thread: the iterator waits on its events instead of stepping
+    assert [e.token_id for e in engine.stream(prompt, SamplingParams(max_new_tokens=6, temperature=0),
+                                              timeout=DEADLINE_S)] == [e.token_id for e in events]

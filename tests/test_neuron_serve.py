@@ -75,6 +75,15 @@ def server():
             raise
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny matmuls: one intra-op thread is faster, and far faster on a shared, loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     return build_model("tiny-e4b")
