@@ -53,9 +53,12 @@ from ._build import ensure_cuda_kernels, status
 logger = logging.getLogger("g4ops")
 
 _lib = torch.library.Library(ops.NAMESPACE, "FRAGMENT")
-_ADAPTER_ARGS = "Tensor[] lora_a, Tensor[] lora_b, float[] scaling, int[3] counts"
+_ADAPTER_ARGS = (
+    "Tensor[] lora_a, Tensor[] lora_b, float[] scaling, int[3] counts, float[] dropout, Tensor[] dropout_mask"
+)
 _SCHEMAS = {
-    # lora_a/lora_b/scaling: the adapters of gate_proj (counts[0] of them), then up_proj's, then down_proj's
+    # lora_a/lora_b/scaling/dropout: the adapters of gate_proj (counts[0] of them), then up_proj's, then down_proj's.
+    # dropout_mask: one bool mask (True = kept) of the adapter's input shape per adapter whose dropout p is > 0.
     "lora_geglu_mlp": f"lora_geglu_mlp(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, {_ADAPTER_ARGS}) -> Tensor",
     "lora_geglu_mlp_forward": (
         f"lora_geglu_mlp_forward(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, {_ADAPTER_ARGS})"
@@ -77,14 +80,14 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Input checks (reference kernels and fake kernels call them, so compile-time and run-time errors agree)
 
 
-def _check_adapters(op, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts):
+def _check_adapters(op, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask):
     ops._check_geglu(x, w_gate, w_up, w_down)
     torch._check(
         len(counts) == 3 and all(c >= 0 for c in counts),
         lambda: f"g4ops.{op}: `counts` must be 3 adapter counts >= 0 (gate, up, down), got {list(counts)}",
     )
     n = sum(counts)
-    for name, seq in (("lora_a", lora_a), ("lora_b", lora_b), ("scaling", scaling)):
+    for name, seq in (("lora_a", lora_a), ("lora_b", lora_b), ("scaling", scaling), ("dropout", dropout)):
         torch._check(
             len(seq) == n, lambda: f"g4ops.{op}: `{name}` has {len(seq)} entries but `counts` sums to {n}"
         )
@@ -105,12 +108,27 @@ def _check_adapters(op, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts
             b.dtype == a.dtype, lambda: f"g4ops.{op}: `lora_b[{i}]` is {b.dtype} but `lora_a[{i}]` is {a.dtype}"
         )
         ops._check_same_device(op, x=x, **{f"lora_a[{i}]": a, f"lora_b[{i}]": b})
+    dropped = [i for i, p in enumerate(dropout) if p != 0.0]
+    torch._check(
+        all(0.0 <= p < 1.0 for p in dropout), lambda: f"g4ops.{op}: `dropout` must be in [0, 1), got {list(dropout)}"
+    )
+    torch._check(
+        len(dropout_mask) == len(dropped),
+        lambda: f"g4ops.{op}: `dropout_mask` has {len(dropout_mask)} masks but `dropout` has {len(dropped)} "
+        "adapters with p > 0",
+    )
+    for j, (i, mask) in enumerate(zip(dropped, dropout_mask)):
+        torch._check_type(
+            mask.dtype == torch.bool, lambda: f"g4ops.{op}: `dropout_mask[{j}]` must be bool, got {mask.dtype}"
+        )
+        ops._check_shape(op, f"dropout_mask[{j}]", mask, (*x.shape[:-1], dims[i][0]), f"adapter {i}'s input")
+        ops._check_same_device(op, x=x, **{f"dropout_mask[{j}]": mask})
 
 
-def _check_backward(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, lora_mid,
-                    output_mask, lora_mask):  # fmt: skip
+def _check_backward(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout,
+                    dropout_mask, lora_mid, output_mask, lora_mask):  # fmt: skip
     op = "lora_geglu_mlp_backward"
-    _check_adapters(op, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts)
+    _check_adapters(op, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask)
     out_shape, inter_shape = (*x.shape[:-1], w_down.shape[0]), (*x.shape[:-1], w_gate.shape[0])
     for name, t, shape in (("grad_out", grad_out, out_shape), ("gate", gate, inter_shape), ("up", up, inter_shape)):
         ops._check_floating(name, t)
@@ -134,12 +152,24 @@ def _split(seq, counts):
     return list(seq[:g]), list(seq[g:u]), list(seq[u:])
 
 
-def _with_adapters(base_out, z, lora_a, lora_b, scaling):
-    """peft's `lora.Linear.forward` after the base layer, in its order and dtypes: (y, [A_a(z_a)])."""
+def _per_adapter_masks(dropout, dropout_mask):
+    """[(p, mask or None)] per adapter."""
+    masks = iter(dropout_mask)
+    return [(p, next(masks) if p != 0.0 else None) for p in dropout]
+
+
+def _dropped(t, drop):
+    """nn.Dropout's training output (or its backward) for a drawn mask: t * mask * 1/(1 - p), as ATen computes it."""
+    p, mask = drop
+    return t if mask is None else (t * mask.to(t.dtype)) * (1.0 / (1.0 - p))
+
+
+def _with_adapters(base_out, z, lora_a, lora_b, scaling, drops):
+    """peft's `lora.Linear.forward` after the base layer, in its order and dtypes: (y, [A_a(dropout_a(z_a))])."""
     y, mids = base_out, []
-    for a, b, s in zip(lora_a, lora_b, scaling):
+    for a, b, s, drop in zip(lora_a, lora_b, scaling, drops):
         z = z.to(a.dtype)  # peft's _cast_input_dtype, cumulative like its loop
-        mid = F.linear(z, a)
+        mid = F.linear(_dropped(z, drop), a)
         mids.append(mid.contiguous())
         y = y + F.linear(mid, b) * s
     return y.to(base_out.dtype).contiguous(), mids
@@ -154,37 +184,38 @@ def _gelu_tanh_mul(gate, up):
     return reference.gelu_tanh_mul(gate, up)
 
 
-def lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts):
+def lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask):
     ga, ua, da = _split(lora_a, counts)
     gb, ub, db = _split(lora_b, counts)
     gs, us, ds = _split(scaling, counts)
-    gate, gate_mid = _with_adapters(F.linear(x, w_gate), x, ga, gb, gs)
-    up, up_mid = _with_adapters(F.linear(x, w_up), x, ua, ub, us)
+    gd, ud, dd = _split(_per_adapter_masks(dropout, dropout_mask), counts)
+    gate, gate_mid = _with_adapters(F.linear(x, w_gate), x, ga, gb, gs, gd)
+    up, up_mid = _with_adapters(F.linear(x, w_up), x, ua, ub, us, ud)
     h = _gelu_tanh_mul(gate, up)
-    out, down_mid = _with_adapters(F.linear(h, w_down), h, da, db, ds)
+    out, down_mid = _with_adapters(F.linear(h, w_down), h, da, db, ds, dd)
     return out, gate, up, gate_mid + up_mid + down_mid
 
 
-def _low_rank_grads(grad_y, lora_a, lora_b, scaling, mids, mask_b, acc):
-    """One projection's adapters, the part that needs no input z: (sum_a u_a @ A_a in `acc` or None, [u_a],
-    [dB_a]) with u_a = s_a * (dY_a @ B_a) and dB_a = s_a * dY_a^T @ A_a(z_a) (module docstring)."""
+def _low_rank_grads(grad_y, lora_a, lora_b, scaling, drops, mids, mask_b, acc):
+    """One projection's adapters, the part that needs no input z: (sum_a dropout_a'(u_a @ A_a) in `acc` or None,
+    [u_a], [dB_a]) with u_a = s_a * (dY_a @ B_a) and dB_a = s_a * dY_a^T @ A_a(z_a) (module docstring)."""
     grad_z, us, grad_b = None, [], []
-    for a, b, s, mid, want_b in zip(lora_a, lora_b, scaling, mids, mask_b):
+    for a, b, s, drop, mid, want_b in zip(lora_a, lora_b, scaling, drops, mids, mask_b):
         g = grad_y.to(a.dtype)
         u = (g @ b) * s
         us.append(u)
         grad_b.append((_rows(g).t() @ _rows(mid)) * s if want_b else b.new_empty(0))
-        term = (u @ a).to(acc)
+        term = _dropped(u @ a, drop).to(acc)
         grad_z = term if grad_z is None else grad_z + term
     return grad_z, us, grad_b
 
 
-def _a_grads(us, z, lora_a, mask_a):
-    """dA_a = u_a^T @ z_a, with z_a cast as the forward cast it."""
+def _a_grads(us, z, lora_a, drops, mask_a):
+    """dA_a = u_a^T @ dropout_a(z_a), with z_a cast as the forward cast it and the forward's dropout mask."""
     grads = []
-    for u, a, want in zip(us, lora_a, mask_a):
+    for u, a, drop, want in zip(us, lora_a, drops, mask_a):
         z = z.to(a.dtype)
-        grads.append(_rows(u).t() @ _rows(z) if want else a.new_empty(0))
+        grads.append(_rows(u).t() @ _rows(_dropped(z, drop)) if want else a.new_empty(0))
     return grads
 
 
@@ -193,25 +224,26 @@ def _rows(t):
 
 
 def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts,
-                                 lora_mid, output_mask, lora_mask):  # fmt: skip
+                                 dropout, dropout_mask, lora_mid, output_mask, lora_mask):  # fmt: skip
     n = len(lora_a)
     split = lambda seq: _split(seq, counts)  # noqa: E731
     (ga, ua, da), (gb, ub, db), (gs, us, ds), (gm, um, dm) = map(split, (lora_a, lora_b, scaling, lora_mid))
+    gd, ud, dd = split(_per_adapter_masks(dropout, dropout_mask))
     (gma, uma, dma), (gmb, umb, dmb) = split(lora_mask[:n]), split(lora_mask[n:])
     acc = reference.accumulation_dtype(x.dtype)
     empty = lambda: x.new_empty(0)  # noqa: E731
 
     # down: dh = grad_out @ W_down + sum_a u_a @ A_a, kept in fp32 into the GeGLU backward, which recomputes h
     grad_h = F.linear(grad_out, w_down.t())
-    lora_h, down_us, grad_db = _low_rank_grads(grad_out, da, db, ds, dm, dmb, acc)
+    lora_h, down_us, grad_db = _low_rank_grads(grad_out, da, db, ds, dd, dm, dmb, acc)
     if lora_h is not None:
         grad_h = grad_h.to(acc) + lora_h
     grad_gate, grad_up, h = reference.gelu_tanh_mul_backward(grad_h, gate, up)
-    grad_da = _a_grads(down_us, h, da, dma)
+    grad_da = _a_grads(down_us, h, da, dd, dma)
 
-    lora_gx, gate_us, grad_gb = _low_rank_grads(grad_gate, ga, gb, gs, gm, gmb, acc)
-    lora_ux, up_us, grad_ub = _low_rank_grads(grad_up, ua, ub, us, um, umb, acc)
-    grad_ga, grad_ua = _a_grads(gate_us, x, ga, gma), _a_grads(up_us, x, ua, uma)
+    lora_gx, gate_us, grad_gb = _low_rank_grads(grad_gate, ga, gb, gs, gd, gm, gmb, acc)
+    lora_ux, up_us, grad_ub = _low_rank_grads(grad_up, ua, ub, us, ud, um, umb, acc)
+    grad_ga, grad_ua = _a_grads(gate_us, x, ga, gd, gma), _a_grads(up_us, x, ua, ud, uma)
     if output_mask[0]:
         grad_x = F.linear(grad_gate, w_gate.t()).to(acc) + F.linear(grad_up, w_up.t()).to(acc)
         for term in (lora_gx, lora_ux):
@@ -227,14 +259,14 @@ def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lo
     return grad_x, grad_wg, grad_wu, grad_wd, grad_ga + grad_ua + grad_da, grad_gb + grad_ub + grad_db
 
 
-def _forward_kernel(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts):
-    _check_adapters("lora_geglu_mlp_forward", x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts)
-    return lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts)
+def _forward_kernel(*args):
+    _check_adapters("lora_geglu_mlp_forward", *args)
+    return lora_geglu_mlp_forward_math(*args)
 
 
-def _op_kernel(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts):
-    _check_adapters("lora_geglu_mlp", x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts)
-    return lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts)[0]
+def _op_kernel(*args):
+    _check_adapters("lora_geglu_mlp", *args)
+    return lora_geglu_mlp_forward_math(*args)[0]
 
 
 def _backward_kernel(*args):
@@ -256,14 +288,15 @@ def _mid_shapes(x, lora_a):
 
 
 @torch.library.register_fake("g4ops::lora_geglu_mlp", lib=_lib)
-def _op_fake(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts):
-    _check_adapters("lora_geglu_mlp", x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts)
+def _op_fake(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask):
+    _check_adapters("lora_geglu_mlp", x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask)
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
 
 
 @torch.library.register_fake("g4ops::lora_geglu_mlp_forward", lib=_lib)
-def _forward_fake(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts):
-    _check_adapters("lora_geglu_mlp_forward", x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts)
+def _forward_fake(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask):
+    _check_adapters("lora_geglu_mlp_forward", x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout,
+                    dropout_mask)  # fmt: skip
     inter = (*x.shape[:-1], w_gate.shape[0])
     # A(z) has the adapter's dtype after peft's cast chain: the last cast is to the adapter's own dtype
     mids = [a.new_empty(shape) for a, shape in zip(lora_a, _mid_shapes(x, lora_a))]
@@ -271,10 +304,10 @@ def _forward_fake(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts):
 
 
 @torch.library.register_fake("g4ops::lora_geglu_mlp_backward", lib=_lib)
-def _backward_fake(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, lora_mid,
-                   output_mask, lora_mask):  # fmt: skip
-    _check_backward(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, lora_mid,
-                    output_mask, lora_mask)  # fmt: skip
+def _backward_fake(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout,
+                   dropout_mask, lora_mid, output_mask, lora_mask):  # fmt: skip
+    _check_backward(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout,
+                    dropout_mask, lora_mid, output_mask, lora_mask)  # fmt: skip
     n = len(lora_a)
     base = [t.new_empty(t.shape) if wanted else x.new_empty(0)
             for t, wanted in zip((x, w_gate, w_up, w_down), output_mask)]  # fmt: skip
@@ -288,40 +321,45 @@ def _backward_fake(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, 
 
 
 class _LoraGegluFunction(torch.autograd.Function):
+    """Inputs after the three lists: x, the three weights, the n lora_a, the n lora_b, then the dropout masks."""
+
     @staticmethod
-    def forward(ctx, scaling, counts, x, w_gate, w_up, w_down, *adapters):
-        n = len(adapters) // 2
-        lora_a, lora_b = list(adapters[:n]), list(adapters[n:])
+    def forward(ctx, scaling, counts, dropout, x, w_gate, w_up, w_down, *tensors):
+        n = len(scaling)
+        lora_a, lora_b, masks = list(tensors[:n]), list(tensors[n : 2 * n]), list(tensors[2 * n :])
         out, gate, up, mids = torch.ops.g4ops.lora_geglu_mlp_forward(x, w_gate, w_up, w_down, lora_a, lora_b,
-                                                                     scaling, counts)  # fmt: skip
-        ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down, *adapters, *mids)
-        ctx.scaling, ctx.counts, ctx.n = scaling, counts, n
+                                                                     scaling, counts, dropout, masks)  # fmt: skip
+        ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down, *tensors, *mids)
+        ctx.lists, ctx.n, ctx.masks = (scaling, counts, dropout), n, len(masks)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        n = ctx.n
+        n, n_masks = ctx.n, ctx.masks
         x, gate, up, w_gate, w_up, w_down, *rest = ctx.saved_tensors
-        lora_a, lora_b, mids = rest[:n], rest[n : 2 * n], rest[2 * n :]
-        wanted = list(ctx.needs_input_grad[2:])
+        lora_a, lora_b = rest[:n], rest[n : 2 * n]
+        masks, mids = rest[2 * n : 2 * n + n_masks], rest[2 * n + n_masks :]
+        scaling, counts, dropout = ctx.lists
+        wanted = list(ctx.needs_input_grad[3 : 7 + 2 * n])  # x, the weights and the adapters (never the masks)
         grads = torch.ops.g4ops.lora_geglu_mlp_backward(
-            grad_out.contiguous(), x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, ctx.scaling, ctx.counts, mids,
-            wanted[:4], wanted[4:],
+            grad_out.contiguous(), x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout,
+            masks, mids, wanted[:4], wanted[4:],
         )
         flat = [*grads[:4], *grads[4], *grads[5]]
-        return None, None, *(g if want else None for g, want in zip(flat, wanted))
+        return None, None, None, *(g if want else None for g, want in zip(flat, wanted)), *([None] * n_masks)
 
 
 _BELOW_AUTOGRAD = torch._C._after_autograd_keyset
 
 
-def _op_autograd(keyset, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts):
+def _op_autograd(keyset, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask):
     tensors = (x, w_gate, w_up, w_down, *lora_a, *lora_b)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _LoraGegluFunction.apply(list(scaling), list(counts), *tensors)
+        return _LoraGegluFunction.apply(list(scaling), list(counts), list(dropout), *tensors, *dropout_mask)
     return torch.ops.g4ops.lora_geglu_mlp.default.redispatch(keyset & _BELOW_AUTOGRAD, x, w_gate, w_up, w_down, lora_a,
-                                                             lora_b, scaling, counts)  # fmt: skip
+                                                             lora_b, scaling, counts, dropout,
+                                                             dropout_mask)  # fmt: skip
 
 
 _lib.impl("lora_geglu_mlp", _op_autograd, "Autograd", with_keyset=True)
@@ -331,15 +369,19 @@ for _name in ("lora_geglu_mlp_forward", "lora_geglu_mlp_backward"):
 
 def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), down_adapters=()) -> torch.Tensor:
     """The Gemma-4 MLP with vanilla LoRA adapters on its projections (module docstring): each `*_adapters` is a
-    sequence of (A [r, in], B [out, r], scale) in peft's order. Weights in nn.Linear layout, no bias."""
+    sequence of (A [r, in], B [out, r], scale) or (A, B, scale, dropout p, bool keep-mask of the adapter's input
+    shape) in peft's order. Weights in nn.Linear layout, no bias."""
     groups = (gate_adapters, up_adapters, down_adapters)
     entries = [entry for group in groups for entry in group]
     for i, entry in enumerate(entries):
-        if len(entry) != 3:
-            raise ValueError(f"g4ops.lora_geglu_mlp: adapter {i} must be (A, B, scale), got {len(entry)} items")
+        if len(entry) not in (3, 5):
+            raise ValueError(f"g4ops.lora_geglu_mlp: adapter {i} must be (A, B, scale) or (A, B, scale, p, mask), "
+                             f"got {len(entry)} items")  # fmt: skip
+    dropout = [float(e[3]) if len(e) == 5 else 0.0 for e in entries]
+    masks = [e[4] for e, p in zip(entries, dropout) if p != 0.0]
     return torch.ops.g4ops.lora_geglu_mlp(
         x, w_gate, w_up, w_down, [e[0] for e in entries], [e[1] for e in entries], [float(e[2]) for e in entries],
-        [len(g) for g in groups],
+        [len(g) for g in groups], dropout, masks,
     )
 
 
@@ -386,11 +428,12 @@ def projection_terms(layer, is_plain_linear, x_dtype):
         if layer.lora_bias.get(name, False):
             return f"adapter {name!r} has lora_bias=True"
         dropout = layer.lora_dropout[name]
-        identity = type(dropout) is nn.Identity or (
-            type(dropout) is nn.Dropout and (dropout.p == 0 or not dropout.training)
-        )
-        if not identity:
-            return f"adapter {name!r} has lora_dropout {dropout} in training mode (not in the fused path)"
+        if type(dropout) is nn.Identity or (type(dropout) is nn.Dropout and not dropout.training):
+            p = 0.0
+        elif type(dropout) is nn.Dropout and not dropout.inplace:
+            p = float(dropout.p)
+        else:
+            return f"adapter {name!r} has lora_dropout {dropout} (not plain nn.Dropout)"
         lin_a, lin_b = layer.lora_A[name], layer.lora_B[name]
         if not (is_plain_linear(lin_a) and is_plain_linear(lin_b)):
             return f"adapter {name!r}'s lora_A/lora_B are not plain bias-free nn.Linear"
@@ -398,7 +441,7 @@ def projection_terms(layer, is_plain_linear, x_dtype):
             return f"adapter {name!r} has lora_A in {lin_a.weight.dtype} but lora_B in {lin_b.weight.dtype}"
         if not cast and lin_a.weight.dtype != x_dtype:
             return f"adapter {name!r} is {lin_a.weight.dtype} and peft's input casting is disabled"
-        terms.append((lin_a.weight, lin_b.weight, layer.scaling[name]))
+        terms.append((lin_a.weight, lin_b.weight, layer.scaling[name], p))
     return base.weight, terms
 
 
@@ -449,7 +492,21 @@ def geglu_mlp(mlp: nn.Module, x: torch.Tensor, is_plain_linear):
     weights, groups = plan
     if not any(groups):
         return ops.geglu_mlp(x, *weights)  # merged, disabled or no active adapter: the base weights alone
-    return lora_geglu_mlp(x, *weights, *groups)
+    # Dropout masks drawn as peft's forward draws them: per adapter, gate's then up's then down's, in the adapter's
+    # dtype and the shape of its input, by ATen's dropout (the same generator calls: the same masks).
+    inter = weights[0].shape[0]
+    shapes = (x.shape, x.shape, (*x.shape[:-1], inter))
+    drawn = [
+        [(a, b, s) if p == 0.0 else (a, b, s, p, _keep_mask(shape, a.dtype, x.device, p)) for a, b, s, p in group]
+        for group, shape in zip(groups, shapes)
+    ]
+    return lora_geglu_mlp(x, *weights, *drawn)
+
+
+def _keep_mask(shape, dtype, device, p: float) -> torch.Tensor:
+    # native_dropout is what F.dropout runs on CUDA; on CPU it draws bernoulli_(1 - p) over a tensor of the input's
+    # dtype and shape, as F.dropout's CPU path does: either way the generator advances as peft's call would.
+    return torch.native_dropout(torch.ones(shape, dtype=dtype, device=device), p, True)[1]
 
 
 def fallback_reason(mlp: nn.Module) -> str | None:

@@ -263,19 +263,20 @@ def test_merged_disabled_and_unmerged_adapters(device, caplog):
     "settings, reason",
     [
         (dict(use_dora=True), "LoRA variant (DoraLinearVariant)"),
-        (dict(lora_dropout=0.1), "lora_dropout"),
         (dict(lora_bias=True), "lora_bias=True"),
+        (dict(hook=True), "has hooks"),  # e.g. peft's mixed-batch `adapter_names`, a pre-hook
     ],
-    ids=["dora", "dropout", "lora_bias"],
+    ids=["dora", "lora_bias", "hooked"],
 )
 def test_unsupported_variants_keep_peft_forward_and_log(settings, reason, caplog):
     caplog.set_level(logging.INFO, logger="g4ops")
     lora._logged.clear()
+    hook = settings.pop("hook", False)
     model = _mlp_model(**settings).train()
+    if hook:
+        model.base_model.model.mlp.up_proj.register_forward_pre_hook(lambda module, args: None)
     x, grad_out = _inputs("cpu", F32)
-    torch.manual_seed(5)  # dropout draws: the same masks in both runs
     stock = _run(model, x, grad_out, False)
-    torch.manual_seed(5)
     ours = _run(model, x, grad_out, True)
     assert torch.equal(stock[0], ours[0]) and ours[3] == {}  # peft's own forward, not g4ops'
     for name in stock[2]:
@@ -287,12 +288,27 @@ def test_unsupported_variants_keep_peft_forward_and_log(settings, reason, caplog
     assert len([r for r in caplog.records if r.name == "g4ops" and reason in r.getMessage()]) == 1
 
 
-def test_dropout_in_eval_mode_is_fused():
-    model = _mlp_model(lora_dropout=0.1).eval()  # dropout is the identity in eval mode
-    x, grad_out = _inputs("cpu", F32)
-    stock, ours = _run(model, x, grad_out, False), _run(model, x, grad_out, True)
-    _assert_matches_stock(stock, ours, "cpu")
-    assert all(ours[3].get(op) == 1 for op in FUSED_TRAIN)
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_as_peft_draws_it(device):
+    """Training-mode dropout: the same generator calls as peft's forward give the same masks, so with the same
+    seed the fused path equals peft (on CPU bit for bit in the forward); and two adapters, eval mode."""
+    model = _add_second_adapter(_mlp_model(device, lora_dropout=0.3))
+    model.base_model.set_adapter(["default", "second"])
+    for layer in (model.base_model.model.mlp.gate_proj, model.base_model.model.mlp.down_proj):
+        layer.lora_dropout["second"] = nn.Dropout(0.2)  # p differs per adapter
+    x, grad_out = _inputs(device, F32)
+    for train in (True, False):
+        model.train(train)
+        torch.manual_seed(5)
+        stock = _run(model, x, grad_out, False)
+        torch.manual_seed(5)
+        ours = _run(model, x, grad_out, True)
+        _assert_matches_stock(stock, ours, device)
+        assert all(ours[3].get(op) == 1 for op in FUSED_TRAIN)
+    torch.manual_seed(6)
+    model.train()
+    other = _run(model, x, grad_out, True)
+    assert O.rel_err(other[0], ours[0]) > 1e-3  # training mode does drop: its output is not eval mode's
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -309,15 +325,18 @@ def _op_args(dtype=torch.float64, adapter_dtype=None, counts=(1, 2, 1), device="
     lora_a = [O.make_tensor((r, i), adapter_dtype, gen, device=device, scale=i**-0.5) for r, (i, _) in zip(ranks, dims)]
     lora_b = [O.make_tensor((o, r), adapter_dtype, gen, device=device, scale=r**-0.5) for r, (_, o) in zip(ranks, dims)]
     scaling = [0.5, 1.75, 2.0, 0.3][: len(dims)]
-    return x, wg, wu, wd, lora_a, lora_b, scaling, list(counts)
+    dropout = [0.0, 0.25, 0.0, 0.5][: len(dims)]  # adapters 1 and 3 drop part of their input
+    masks = [torch.rand((2, 3, i), generator=gen) >= p for p, (i, _) in zip(dropout, dims) if p != 0.0]
+    return x, wg, wu, wd, lora_a, lora_b, scaling, list(counts), dropout, [m.to(device) for m in masks]
 
 
 _PRODUCTS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
 
 
 def test_backward_computes_no_full_weight_gradient_when_the_base_is_frozen():
-    x, wg, wu, wd, lora_a, lora_b, scaling, counts = _op_args(F32)
-    out, gate, up, mids = torch.ops.g4ops.lora_geglu_mlp_forward(x, wg, wu, wd, lora_a, lora_b, scaling, counts)
+    x, wg, wu, wd, lora_a, lora_b, scaling, counts, dropout, masks = _op_args(F32)
+    out, gate, up, mids = torch.ops.g4ops.lora_geglu_mlp_forward(x, wg, wu, wd, lora_a, lora_b, scaling, counts,
+                                                                 dropout, masks)  # fmt: skip
     grad_out = torch.randn_like(out)
     weight_shapes = {tuple(w.shape) for w in (wg, wu, wd)} | {tuple(w.shape)[::-1] for w in (wg, wu, wd)}
 
@@ -337,7 +356,8 @@ def test_backward_computes_no_full_weight_gradient_when_the_base_is_frozen():
         mode = Shapes()
         with mode:
             grads = lora.lora_geglu_mlp_backward_math(grad_out, x, gate, up, wg, wu, wd, lora_a, lora_b, scaling,
-                                                      counts, mids, base_mask, [True] * (2 * n))  # fmt: skip
+                                                      counts, dropout, masks, mids, base_mask,
+                                                      [True] * (2 * n))  # fmt: skip
         full = mode.shapes & weight_shapes
         assert bool(full) == any(base_mask[1:]), f"weight-sized tensors computed: {full}"
         for g, wanted, w in zip(grads[1:4], base_mask[1:], (wg, wu, wd)):
@@ -346,24 +366,24 @@ def test_backward_computes_no_full_weight_gradient_when_the_base_is_frozen():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
-    x, wg, wu, wd, lora_a, lora_b, scaling, counts = _op_args(F32, device=device)
-    x.requires_grad_()
-    for t in (*lora_a, *lora_b):
+    args = _op_args(F32, device=device)
+    for t in (args[0], *args[4], *args[5]):
         t.requires_grad_()
-    torch.library.opcheck(torch.ops.g4ops.lora_geglu_mlp.default, (x, wg, wu, wd, lora_a, lora_b, scaling, counts))
+    torch.library.opcheck(torch.ops.g4ops.lora_geglu_mlp.default, args)
     # bf16 activations with fp32 adapters (peft's default for a bf16 model); the cheap subsets
-    x, wg, wu, wd, lora_a, lora_b, scaling, counts = _op_args(BF16, adapter_dtype=F32, counts=(0, 1, 2), device=device)
-    torch.library.opcheck(torch.ops.g4ops.lora_geglu_mlp.default, (x, wg, wu, wd, lora_a, lora_b, scaling, counts),
+    args = _op_args(BF16, adapter_dtype=F32, counts=(0, 1, 2), device=device)
+    torch.library.opcheck(torch.ops.g4ops.lora_geglu_mlp.default, args,
                           test_utils=("test_schema", "test_faketensor"))  # fmt: skip
 
 
 def test_gradcheck_fp64_every_input():
-    x, wg, wu, wd, lora_a, lora_b, scaling, counts = _op_args()
+    x, wg, wu, wd, lora_a, lora_b, scaling, counts, dropout, masks = _op_args()
     n = len(lora_a)
     tensors = [t.detach().requires_grad_() for t in (x, wg, wu, wd, *lora_a, *lora_b)]
 
     def fn(*t):
-        return torch.ops.g4ops.lora_geglu_mlp(*t[:4], list(t[4 : 4 + n]), list(t[4 + n :]), scaling, counts)
+        return torch.ops.g4ops.lora_geglu_mlp(*t[:4], list(t[4 : 4 + n]), list(t[4 + n :]), scaling, counts, dropout,
+                                              masks)  # fmt: skip
 
     assert torch.autograd.gradcheck(fn, tensors)
     # frozen base weights and x without grad (LoRA on the first layer): only the adapters
@@ -372,16 +392,22 @@ def test_gradcheck_fp64_every_input():
 
 
 def test_bad_input_names_the_argument():
-    x, wg, wu, wd, lora_a, lora_b, scaling, counts = _op_args(F32)
+    x, wg, wu, wd, lora_a, lora_b, scaling, counts, dropout, masks = _op_args(F32)
     op = torch.ops.g4ops.lora_geglu_mlp
     with pytest.raises(RuntimeError, match="`lora_b\\[1\\]` must be"):
-        op(x, wg, wu, wd, lora_a, [lora_b[0], lora_b[1][:, :1], *lora_b[2:]], scaling, counts)
+        op(x, wg, wu, wd, lora_a, [lora_b[0], lora_b[1][:, :1], *lora_b[2:]], scaling, counts, dropout, masks)
     with pytest.raises(RuntimeError, match="`lora_a` has 3 entries"):
-        op(x, wg, wu, wd, lora_a[:3], lora_b[:3], scaling[:3], counts)
+        op(x, wg, wu, wd, lora_a[:3], lora_b[:3], scaling[:3], counts, dropout[:3], masks[:1])
     with pytest.raises(RuntimeError, match="`lora_a\\[3\\]` must be \\[r, 7\\]"):
-        op(x, wg, wu, wd, lora_a[:3] + [lora_a[0]], lora_b, scaling, counts)
+        op(x, wg, wu, wd, lora_a[:3] + [lora_a[0]], lora_b, scaling, counts, dropout, masks)
     with pytest.raises(TypeError, match="`lora_b\\[0\\]` is torch.float64 but `lora_a\\[0\\]` is torch.float32"):
-        op(x, wg, wu, wd, lora_a, [lora_b[0].double(), *lora_b[1:]], scaling, counts)
+        op(x, wg, wu, wd, lora_a, [lora_b[0].double(), *lora_b[1:]], scaling, counts, dropout, masks)
+    with pytest.raises(RuntimeError, match="`dropout_mask` has 1 masks but `dropout` has 2"):
+        op(x, wg, wu, wd, lora_a, lora_b, scaling, counts, dropout, masks[:1])
+    with pytest.raises(RuntimeError, match="`dropout_mask\\[1\\]` must have the shape of adapter 3's input"):
+        op(x, wg, wu, wd, lora_a, lora_b, scaling, counts, dropout, [masks[0], masks[0]])
+    with pytest.raises(RuntimeError, match="`dropout` must be in \\[0, 1\\)"):
+        op(x, wg, wu, wd, lora_a, lora_b, scaling, counts, [0.0, 1.0, 0.0, 0.5], masks)
     with pytest.raises(ValueError, match="adapter 0 must be \\(A, B, scale\\)"):
         lora.lora_geglu_mlp(x, wg, wu, wd, [(lora_a[0], lora_b[0])])
 
