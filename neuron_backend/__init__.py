@@ -5,7 +5,11 @@
     parallel.py     column / row / vocab-parallel layers, distributed argmax
     model.py        the Neuron-shaped decoder: static buckets, KV buffers written in place (trace-safe)
     loader.py       sharded loader: every HF key consumed, `layer_scalar` included, loud on missing / left over
-    generate.py     greedy loop over the buckets for any backend
+    sampling.py     vocab-parallel sampling: per-rank top-k candidates, transformers' warpers on the merged set
+    generate.py     greedy loop over the buckets for any backend (the checks)
+    runner.py       one bucket call behind one signature: in-process module, gloo TP rank processes, NeuronCores
+    engine.py       NeuronEngine: continuous batching, sampling, stop tokens, streaming (BatchEngine's interface)
+    serve.py        `python -m g4ops serve --backend neuron`
     cpu_tp.py       TP ranks as CPU processes over gloo
     check.py        stock vs TP=1 vs TP=N greedy check behind `python -m neuron_backend check`
     export.py       torch.export of each bucket and its mutated-buffer list

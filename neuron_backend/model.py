@@ -3,13 +3,16 @@
 One module serves every bucket. A call processes a chunk of T tokens (T = a prefill bucket, or 1 for decode) of B
 sequences, each starting at its own position:
 
-    forward(input_ids [B, T] int64, start_pos [B] int64, n_valid [B] int64, ple_tokens [B, T, L, P] | None)
+    forward(input_ids [B, T] int64, start_pos [B] int64, n_valid [B] int64, ple_tokens [B, T, L, P] | None
+            [, temperature, top_k, top_p, min_p, seed, counter: [B] each, when settings.sample_cap > 0])
         -> next token [B] int64                                   (kv_mode="buffers": KV updated in place)
         -> (next token, logits [B, V] fp32)                       (settings.return_logits)
         -> (next token, [logits,] *new KV buffers)                (kv_mode="aliased_outputs", for NxD aliasing)
 
 Rows t >= n_valid of the chunk are padding: they never reach the KV cache and never feed the next token, which
-comes from row n_valid - 1. The math follows transformers' modeling_gemma4.py (Gemma4TextModel / DecoderLayer /
+comes from row n_valid - 1 (greedy: a distributed argmax; with the sampling inputs, rows with temperature > 0
+draw vocab-parallel, sampling.py). A row with n_valid = 0 is idle: its KV is untouched, its token meaningless, so
+rows at different positions, and rows with nothing to do, share one call. The math follows transformers' modeling_gemma4.py (Gemma4TextModel / DecoderLayer /
 Attention): norms via g4ops.rms_norm, attention scaling 1.0 (q/k norms replace 1/sqrt(d)), v_norm without weight,
 RoPE with per-type frequencies (proportional RoPE on full layers), the per-layer-embedding (PLE) residual,
 `layer_scalar`, softcapped fp32 logits and a greedy argmax in fp32.
@@ -18,9 +21,10 @@ KV cache: one K and one V buffer [B, kv_heads_local, S, head_dim] per KV-owning 
 `num_layers - num_kv_shared_layers`; the others read their producer's K/V exactly as transformers' shared_kv_states
 does). Full layers keep S = max_seq slots, slot = position. Sliding layers keep a ring of R = min(window, max_seq)
 slots, slot = position mod R: sized to the window, not the context. Writes are trace-safe: no data-dependent
-shapes, no scatter with duplicate indices; every slot is rewritten as `where(slot_is_written, gathered_new, old)`,
-which is the seed's one-hot write generalised to chunks and rings (a prefill chunk longer than the ring writes
-only its last R valid tokens).
+shapes, no scatter with duplicate indices. Decode (T = 1) scatters each row's new K/V into its one slot, in place
+(torch.scatter at the row's position, as NxD Inference's KV cache manager does; an idle row writes back what the
+slot holds). A prefill chunk rewrites every slot as `where(slot_is_written, gathered_new, old)`, the seed's
+one-hot write generalised to chunks and rings (a chunk longer than the ring writes only its last R valid tokens).
 
 The per-layer token embedding table (262144 x 42 x 256 in E4B, 5.6 GB in bf16) stays on the host: `PLETokenEmbedding`
 looks up the B*T rows (21 KB per token) and passes them in; everything after the lookup runs on device.

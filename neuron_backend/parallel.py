@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .collectives import Collectives
-from .sampling import local_candidates, sample_candidates
+from .sampling import local_argmax, local_candidates, sample_candidates
 
 
 class ColumnParallelLinear(nn.Module):
@@ -119,7 +119,7 @@ class VocabParallelLMHead(nn.Module):
         return tokens, full
 
     def _argmax(self, logits, start, return_logits):
-        local_idx = logits.argmax(dim=-1)  # first maximum
+        local_idx = local_argmax(logits)  # first maximum
         tokens = local_idx + start
         if self.comm.world_size > 1:
             local_max = logits.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1)

@@ -23,8 +23,9 @@ state in the graph): that is what keeps the ranks of NxD's one traced graph in s
 Greedy rows (temperature <= 0) take the distributed argmax of parallel.VocabParallelLMHead (ties to the lowest id,
 as torch.argmax on the full row), not the candidates' argmax.
 
-Where torch-neuronx is importable and the logits live on an XLA device, the per-rank top-k is its TopK operator
-(what NxD's distributed topk calls per shard, because neuronx-cc wants it); elsewhere torch.topk. Neither the
+Where torch-neuronx is importable and the logits live on an XLA device, the per-rank top-k and argmax are its TopK
+and Argmax operators (what NxD's distributed topk / argmax call per shard, because neuronx-cc wants them);
+elsewhere torch.topk and torch.argmax. Neither the
 Neuron operator nor this module on a NeuronCore has been run here (no SDK).
 """
 
@@ -34,27 +35,32 @@ import torch
 
 from g4ops.engine.sampler import _M32, _fmix32, sample
 
-__all__ = ["local_topk", "local_candidates", "noise_at", "sample_candidates", "SAMPLING_INPUTS"]
+__all__ = ["local_topk", "local_argmax", "local_candidates", "noise_at", "sample_candidates", "SAMPLING_INPUTS"]
 
 # the per-row tensors a sampling bucket takes after (input_ids, start_pos, n_valid, ple_tokens), in order
 SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "min_p", "seed", "counter")
 
 
-def _neuron_topk():
+def _neuron_op(name: str):
+    """torch-neuronx's operator `name` (TopK, Argmax) when it is importable, else None."""
     try:
-        from torch_neuronx.xla_impl.ops import TopK
+        from torch_neuronx.xla_impl import ops
     except ImportError:
         return None
-    return TopK
+    return getattr(ops, name, None)
 
 
 def local_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(x, k, dim=-1) (values descending, indices), through torch-neuronx's TopK on an XLA device."""
-    if x.device.type == "xla":
-        op = _neuron_topk()
-        if op is not None:
-            return op.apply(x, k, dim=-1)
-    return torch.topk(x, k, dim=-1)
+    op = _neuron_op("TopK") if x.device.type == "xla" else None
+    return op.apply(x, k, dim=-1) if op is not None else torch.topk(x, k, dim=-1)
+
+
+def local_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) (first maximum), through torch-neuronx's Argmax on an XLA device (NxD's distributed argmax
+    runs it per shard)."""
+    op = _neuron_op("Argmax") if x.device.type == "xla" else None
+    return op.apply(x, dim=-1, keepdim=False) if op is not None else x.argmax(dim=-1)
 
 
 def local_candidates(local_logits: torch.Tensor, vocab_start: torch.Tensor, cap: int):
