@@ -517,13 +517,17 @@ def _unpatch_module(module: nn.Module) -> None:
 #
 # Padding and packing (tests/test_packing.py): whatever mask reaches stock sdpa from here has a visible key in every
 # query row (`_open_empty_rows`), and those rows' outputs are 0, as CPU sdpa gives them: a fully masked row (a
-# left-pad query, or a pad run longer than the window) came out NaN on some CUDA kernels, and the NaN then reaches
-# real tokens through 0 * NaN in P @ V (transformers issue 45201's NaN losses with padding at batch > 1).
+# left-pad query, or a pad run longer than the window) is reported NaN from CUDA sdpa (unsloth PR 9848: B200,
+# torch 2.13), and a NaN there reaches real tokens through 0 * NaN in P @ V in the next layer (transformers issue
+# 45201's NaN losses with padding at batch > 1).
 # transformers builds the block-diagonal mask of packed sequences (position_ids that restart) only without a cache
 # (masking_utils' _preprocess_mask_arguments): with one, e.g. a training forward under the config's use_cache=True,
 # it hands over the plain pattern and sequences would see each other. In eager we read position_ids and add the
-# sequence boundaries to the mask (`_packed_segments`); under torch.compile that read is impossible, so a compiled
-# packed forward needs use_cache=False (what Trainer and TRL pass).
+# sequence boundaries to the mask (`_packed_segments`). Under torch.compile that read is impossible: transformers
+# then builds the packed mask whenever there is no cache (it cannot tell packed from plain positions while tracing),
+# and a call that got no mask asserts on the device that its positions do not restart, so a compiled packed
+# forward with a cache fails loudly (use_cache=False: what Trainer and TRL pass). A given attention_mask is trusted
+# there, as transformers does (it detects packing only without one).
 
 ATTENTION = "g4ops"
 # Sliding layers of a compiled CUDA model run FlexAttention with a block-sparse band (g4ops.attention's section on
@@ -602,16 +606,28 @@ def _pattern_mask(q_len: int, kv_len: int, window: int | None, device) -> torch.
     return seen[None, None]
 
 
-def _packed_segments(position_ids, q_len: int, kv_len: int):
+def _packed_segments(position_ids, q_len: int, kv_len: int, mask_given: bool):
     """[B or 1, L] index of the packed sequence each token belongs to when `position_ids` restart inside a row,
-    else None. transformers' own rule (`find_packed_sequence_indices`: a new sequence wherever the position does not
-    grow by 1). Reads the values, a host sync: eager only."""
+    else None, by transformers' rule (`find_packed_sequence_indices`: a new sequence wherever the position does not
+    grow by 1). That reads the values, a host sync, so only in eager; under torch.compile a call without a mask
+    asserts on the device that the positions do not restart (section comment)."""
     from transformers.masking_utils import find_packed_sequence_indices
 
-    if (torch.compiler.is_compiling() or q_len != kv_len or not isinstance(position_ids, torch.Tensor)
-            or position_ids.dim() != 2 or position_ids.shape[-1] != q_len):  # fmt: skip
+    if (q_len != kv_len or q_len == 1 or not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2
+            or position_ids.shape[-1] != q_len):  # fmt: skip
+        return None
+    if torch.compiler.is_compiling():
+        if not mask_given:
+            torch._assert_async((position_ids.diff(dim=-1) == 1).all(), _PACKED_UNDER_COMPILE)
         return None
     return find_packed_sequence_indices(position_ids)
+
+
+_PACKED_UNDER_COMPILE = (
+    "g4ops attention: position_ids restart inside a row (packed sequences), but transformers built no packed mask, "
+    "which it skips when a cache is passed; under torch.compile g4ops cannot add it. Call the model with "
+    "use_cache=False (Trainer and TRL do), or run it eagerly"
+)
 
 
 def _with_segments(mask: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
@@ -661,7 +677,8 @@ def g4ops_attention_forward(
 
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    segments = _packed_segments(kwargs.get("position_ids"), q_len, kv_len) if causal else None
+    position_ids = kwargs.get("position_ids") if causal else None
+    segments = _packed_segments(position_ids, q_len, kv_len, attention_mask is not None)
     if segments is not None:  # packed sequences, with or without transformers' packed mask (section comment)
         if attention_mask is None:  # each query sees itself: the diagonal is in the pattern and its sequence
             pattern = _pattern_mask(q_len, kv_len, sliding_window, query.device)
