@@ -18,20 +18,28 @@ A_a(z_a) (h is recomputed from gate and up in the backward, as geglu_mlp does; n
 peft's autograd keeps both for fp32 adapters of a bf16 model), and computes, per projection with output gradient dY:
 
     u_a  = s_a * (dY_a @ B_a)          [T, r]        dY_a = dY cast to the adapter's dtype
-    dA_a = u_a^T @ z_a                 [r, in]       dB_a = s_a * dY_a^T @ A_a(z_a)   [out, r]
-    dz   = dY @ W + sum_a u_a @ A_a    (summed in fp32, rounded once)
+    dA_a = u_a^T @ d_a(z_a)            [r, in]       dB_a = s_a * dY_a^T @ A_a(d_a(z_a))   [out, r]
+    dz   = dY @ W + sum_a d_a(u_a @ A_a)    (summed in fp32, rounded once; d_a: adapter a's dropout, below)
 
 A base weight gradient (a full [out, in] GEMM) is computed only when that base weight requires grad (peft freezes
 them). The down projection's input gradient dh stays in fp32 into the GeGLU backward.
 
-Kernels: the GEMMs are ATen's (cuBLAS on CUDA); the GeGLU product runs g4ops' CUDA kernel (`gelu_tanh_mul` in
-csrc/geglu.cu) when the kernels are loaded, else `reference.gelu_tanh_mul`; the GeGLU backward product is
-`reference.gelu_tanh_mul_backward` on every device (csrc has that kernel only inside geglu_mlp_backward, which
-computes dh from the base down weight alone and returns no dgate/dup, both of which the adapter gradients need).
+Dropout (nn.Dropout, training mode): d_a(t) = t * mask_a / (1 - p_a), with one bool keep-mask per adapter of its
+input's shape, drawn before the op by ATen's dropout over a tensor of the adapter's dtype, adapter by adapter in
+peft's order (gate's, up's, down's): the generator calls of peft's forward, so a seeded run draws peft's masks (the
+tests compare against peft that way). The masks are saved for the backward (bool, as ATen's dropout saves its own).
+In eval mode, or with p = 0, dropout is the identity and nothing is drawn.
+
+Kernels: the reference math below is the kernel on every device. On CUDA it runs through torch.compile (`_fused`,
+as loss.py's elementwise helpers do): the GEMMs stay on cuBLAS and Inductor fuses what lies between them (the
+low-rank adds and casts, dropout masks, the GeGLU product and its backward), where eager mode makes about a dozen
+full-size fp32 passes per MLP backward. csrc's GeGLU kernels do not fit: geglu_mlp_backward computes dh from the
+base down weight alone and returns no dgate/dup, which the adapter gradients need, and its forward kernel alone
+(`gelu_tanh_mul`, run in eager mode when the compiled path is off) has no fake kernel to compile through.
 
 Not implemented, so peft's own forward runs and `geglu_mlp` below says why once at INFO on the "g4ops" logger:
-LoRA variants (DoRA, aLoRA, ... anything in peft's `lora_variant`), `lora_bias`, dropout p > 0 in training mode
-(in eval mode dropout is the identity, which the fused path computes), a base layer that is not a plain bias-free
+LoRA variants (DoRA, aLoRA, ... anything in peft's `lora_variant`), `lora_bias`, a dropout module other than a
+plain nn.Dropout, a base layer that is not a plain bias-free
 nn.Linear (quantized bases use other peft classes), `fan_in_fan_out`, hooks on the peft layer (peft's mixed-batch
 `adapter_names` inference is such a hook), adapters merged but disabled (peft unmerges them inside its forward),
 and torch.autocast.
@@ -42,6 +50,8 @@ This module knows peft's LoRA layer; integration.py decides which MLP calls come
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -177,7 +187,7 @@ def _with_adapters(base_out, z, lora_a, lora_b, scaling, drops):
 
 def _gelu_tanh_mul(gate, up):
     """g4ops' GeGLU product: the CUDA kernel once the kernels are loaded, else the reference (same semantics)."""
-    if gate.is_cuda:
+    if gate.is_cuda and not torch.compiler.is_compiling():
         ensure_cuda_kernels()  # loads them once; raises unless the user allowed the reference on the GPU
         if status()["loaded"]:
             return torch.ops.g4ops_kernels.gelu_tanh_mul(gate, up)
@@ -259,19 +269,47 @@ def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lo
     return grad_x, grad_wg, grad_wu, grad_wd, grad_ga + grad_ua + grad_da, grad_gb + grad_ub + grad_db
 
 
+# G4OPS_LORA_COMPILE=0 keeps the CUDA kernels eager, =1 compiles on every device (a CPU test uses that); a failed
+# compilation warns once and runs eagerly from then on.
+_LORA_COMPILE = os.environ.get("G4OPS_LORA_COMPILE")
+_compiled: dict = {}
+_compile_failed: list = []
+
+
+def _fused(fn, *args):
+    wanted = _LORA_COMPILE == "1" or (_LORA_COMPILE is None and args[0].device.type == "cuda")
+    if not wanted or _compile_failed:
+        return fn(*args)
+    compiled = _compiled.get(fn)
+    if compiled is None:
+        compiled = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    try:
+        # below autograd and ADInplaceOrView always, so Dynamo's dispatch-key guards see one state (loss.py: the
+        # H200 recompiled its helpers when the op was reached with and without autograd's keys excluded)
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return compiled(*args)
+    except Exception as exc:  # noqa: BLE001 - slower but correct beats failing the training step
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise
+        _compile_failed.append(repr(exc))
+        warnings.warn(f"g4ops.lora_geglu_mlp: torch.compile of its math failed ({exc!r}); running it eagerly from "
+                      "now on (slower, same results)", stacklevel=2)  # fmt: skip
+        return fn(*args)
+
+
 def _forward_kernel(*args):
     _check_adapters("lora_geglu_mlp_forward", *args)
-    return lora_geglu_mlp_forward_math(*args)
+    return _fused(lora_geglu_mlp_forward_math, *args)
 
 
 def _op_kernel(*args):
     _check_adapters("lora_geglu_mlp", *args)
-    return lora_geglu_mlp_forward_math(*args)[0]
+    return _fused(lora_geglu_mlp_forward_math, *args)[0]
 
 
 def _backward_kernel(*args):
     _check_backward(*args)
-    return lora_geglu_mlp_backward_math(*args)
+    return _fused(lora_geglu_mlp_backward_math, *args)
 
 
 _lib.impl("lora_geglu_mlp", _op_kernel, "CompositeExplicitAutograd")
