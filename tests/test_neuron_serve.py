@@ -8,6 +8,7 @@ and stops on SIGTERM."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import socket
@@ -149,6 +150,21 @@ def test_seeded_sampling_over_tp2_is_tp1s(server, model, tokenizer):
     tokens = [e.token_id for e in events if e.token_id is not None]
     assert len(tokens) == 12
     assert texts[0] == tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_concurrent_requests_share_the_batch_and_get_their_own_greedy_tokens(server, model, tokenizer):
+    """Four chats at once over TP=2 (max batch 4, prompts of different lengths): each reply is stock's greedy
+    continuation of its own prompt, whatever shares the batch (rows at different positions in one decode call are
+    test_neuron_engine's)."""
+    client, _ = server
+    n = 8
+    chats = [[{"role": "user", "content": "?" * i + f"request {i}"}] for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(len(chats)) as pool:
+        replies = list(pool.map(lambda m: client.chat.completions.create(
+            model=NAME, messages=m, max_tokens=n, temperature=0, extra_body=NO_EOS), chats))  # fmt: skip
+    for messages, reply in zip(chats, replies):
+        expect = tokenizer.decode(_greedy(model, _chat_ids(tokenizer, messages), n), skip_special_tokens=True)
+        assert reply.choices[0].message.content == expect
 
 
 def test_bad_sampling_is_a_400_naming_the_field_and_sigterm_stops_everything(server):
