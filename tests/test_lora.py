@@ -527,3 +527,30 @@ def test_compiled_kernel_math_matches_peft(monkeypatch):
     assert set(lora._compiled) == {lora.lora_geglu_mlp_forward_math, lora.lora_geglu_mlp_backward_math}
     assert O.rel_err(ours[0], stock[0]) <= _fp32_tol(INTER)  # Inductor may fuse differently: not bit for bit
     _assert_matches_stock(stock, (stock[0], *ours[1:]), "cpu")
+
+
+def test_saves_gate_up_and_low_rank_products_only():
+    """Activation memory (design claim in g4ops/lora.py): for backward the fused path keeps gate and up (bf16) and
+    the [T, r] products (fp32 adapters), besides x and the weights; peft keeps fp32 copies of x and h as well."""
+    model = _mlp_model("cpu", BF16).train()
+    x, _ = _inputs("cpu", BF16)
+
+    def saved_bytes(enabled):
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        xs = x.detach().requires_grad_()
+        with g4ops.enable() if enabled else _nothing(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(xs)
+        known = {p.untyped_storage().data_ptr() for p in model.parameters()} | {xs.untyped_storage().data_ptr()}
+        return sum(n for ptr, n in storages.items() if ptr not in known)
+
+    tokens = TOKENS[0] * TOKENS[1]
+    ranks = [p.shape[0] for n, p in model.named_parameters() if "lora_A" in n]
+    expected = 2 * tokens * INTER * BF16.itemsize + sum(tokens * r * F32.itemsize for r in ranks)
+    ours, stock = saved_bytes(True), saved_bytes(False)
+    assert ours == expected, (ours, expected)
+    assert stock > ours + tokens * (HIDDEN + INTER) * F32.itemsize  # at least peft's fp32 copies of x and h more
