@@ -87,7 +87,8 @@ class NeuronEngine(BatchEngine):
 
     # -- the public side: BatchEngine's, plus what this backend cannot do -----------------------------------------
     def submit(self, prompt_ids, params: SamplingParams, on_event) -> int:
-        if isinstance(params, SamplingParams) and isinstance(params.temperature, (int, float)) and params.temperature > 0:
+        temperature = getattr(params, "temperature", None)  # check_request (in super) names bad types
+        if isinstance(params, SamplingParams) and isinstance(temperature, (int, float)) and temperature > 0:
             cap = self.settings.sample_cap
             if cap == 0:
                 raise ValueError("temperature must be 0: this neuron model was built greedy-only (sample_cap 0)")

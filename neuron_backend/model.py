@@ -12,10 +12,11 @@ sequences, each starting at its own position:
 Rows t >= n_valid of the chunk are padding: they never reach the KV cache and never feed the next token, which
 comes from row n_valid - 1 (greedy: a distributed argmax; with the sampling inputs, rows with temperature > 0
 draw vocab-parallel, sampling.py). A row with n_valid = 0 is idle: its KV is untouched, its token meaningless, so
-rows at different positions, and rows with nothing to do, share one call. The math follows transformers' modeling_gemma4.py (Gemma4TextModel / DecoderLayer /
-Attention): norms via g4ops.rms_norm, attention scaling 1.0 (q/k norms replace 1/sqrt(d)), v_norm without weight,
-RoPE with per-type frequencies (proportional RoPE on full layers), the per-layer-embedding (PLE) residual,
-`layer_scalar`, softcapped fp32 logits and a greedy argmax in fp32.
+rows at different positions, and rows with nothing to do, share one call. The math follows transformers'
+modeling_gemma4.py (Gemma4TextModel / DecoderLayer / Attention): norms via g4ops.rms_norm, attention scaling 1.0
+(q/k norms replace 1/sqrt(d)), v_norm without weight, RoPE with per-type frequencies (proportional RoPE on full
+layers), the per-layer-embedding (PLE) residual, `layer_scalar`, softcapped fp32 logits and a greedy argmax in
+fp32.
 
 KV cache: one K and one V buffer [B, kv_heads_local, S, head_dim] per KV-owning layer (the first
 `num_layers - num_kv_shared_layers`; the others read their producer's K/V exactly as transformers' shared_kv_states
@@ -142,7 +143,8 @@ class _KVPlan:
         self.mask = mask[:, None]  # [B, 1, T, keys]
 
     def update(self, cache_k, cache_v, k_new, v_new, in_place=False):
-        """-> (keys, values) to attend over, (new K buffer, new V buffer)."""
+        """-> (keys, values) to attend over, (new K buffer, new V buffer). (`in_place` is _DecodePlan's: a chunk's
+        new buffers are always new tensors, copied into the buffers at the end of forward.)"""
         w = self.write[:, None, :, None]
         new_k = torch.where(w, _gather_seq(k_new, self.src), cache_k)
         new_v = torch.where(w, _gather_seq(v_new, self.src), cache_v)
