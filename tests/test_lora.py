@@ -450,7 +450,10 @@ def test_compiled_fullgraph_has_no_graph_breaks_and_matches_eager(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_tiny_model_lora_on_all_projections_matches_stock(device):
+@pytest.mark.parametrize("attention", [False, True], ids=["sdpa", "g4ops-attention"])
+def test_tiny_model_lora_on_all_projections_matches_stock(device, attention):
+    """The attention projections are module calls inside Gemma4TextAttention, so peft's forward runs them with
+    g4ops enabled, also with g4ops' attention (enable(model, attention=True)) around them."""
     base = build_model("tiny-e4b").to(device)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
@@ -460,15 +463,21 @@ def test_tiny_model_lora_on_all_projections_matches_stock(device):
     def step(enabled):
         model.zero_grad(set_to_none=True)
         counter = _Counter()
-        with g4ops.enable() if enabled else _nothing(), counter if enabled else _nothing():
+        patches = (g4ops.enable(base, attention=True) if attention else g4ops.enable()) if enabled else _nothing()
+        with patches, counter if enabled else _nothing():
+            implementations.append(base.model.layers[0].self_attn.config._attn_implementation)
             loss = model(ids, labels=ids).loss
             loss.backward()
         return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, counter.calls
 
+    implementations = []
     loss0, grads0, _ = step(False)
     loss1, grads1, calls = step(True)
+    used = implementations[-1]
     layers = base.config.num_hidden_layers
     assert all(calls.get(op) == layers for op in FUSED_TRAIN), calls
+    assert used == ("g4ops" if attention else "sdpa")
+    assert base.config._attn_implementation == "sdpa"  # the switch was undone
     assert abs(loss1.item() - loss0.item()) <= _fp32_tol(base.config.vocab_size) * abs(loss0.item())
     for proj in targets:  # every projection's adapters train, attention's too
         assert any(f"{proj}.lora_A" in n for n in grads1), proj
