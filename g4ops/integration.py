@@ -345,7 +345,8 @@ _probed = False
 def _probe_once(hf) -> None:
     global _probed
     if not _probed:
-        _probe(hf)
+        with torch.random.fork_rng(devices=[]):  # its nn.Linear inits must not move a seeded user's CPU RNG
+            _probe(hf)
         _probed = True
 
 

@@ -288,3 +288,14 @@ def test_compiled_static_cache_generate_matches_eager():
         torch._dynamo.reset()
         compiled, _ = _generate(model, prompt, new_tokens=4, compiled=True)
     assert compiled == eager
+
+
+def test_first_enable_leaves_a_seeded_rng_alone(monkeypatch):
+    """enable()'s one-time probe builds nn.Linear layers (random inits); a user's seeded stream must not move."""
+    monkeypatch.setattr(integration, "_probed", False)
+    torch.manual_seed(1234)
+    expected = torch.rand(5)
+    torch.manual_seed(1234)
+    g4ops.enable()
+    assert integration._probed  # the probe really ran inside this enable()
+    assert torch.equal(torch.rand(5), expected)
