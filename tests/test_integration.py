@@ -211,8 +211,13 @@ def test_peft_lora_adapter_gradients_match_stock(targets):
     assert grads0 and all("lora_" in n for n in grads0)
     with g4ops.enable():
         mlp = base.model.layers[0].mlp
-        # An MLP with a LoRA-wrapped projection must keep its stock forward; an untouched MLP runs the fused op.
+        # mlp_uses_g4ops: the plain fused op, on an untouched MLP; one with LoRA projections runs the LoRA op
+        # instead (g4ops.lora, tests/test_lora.py), with no reason to fall back
         assert integration.mlp_uses_g4ops(mlp) == ("gate_proj" not in targets)
+        if "gate_proj" in targets:
+            from g4ops.lora import fallback_reason
+
+            assert fallback_reason(mlp) is None
         _, loss1, grads1 = _loss_and_grads(model, ids)
     assert abs(loss1.item() - loss0.item()) <= FP32_RTOL * abs(loss0.item())
     _assert_grads_match(grads0, grads1, rtol=1e-4)
