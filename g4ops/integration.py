@@ -188,8 +188,12 @@ def _make_decoder_layer_forward(stock_forward):
 
         residual = hidden_states
         hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **call)
-        residual, hidden_states = ops.sandwich_norm(hidden_states, residual, _norm_weight(post), _norm_weight(pre),
-                                                    post.eps)  # fmt: skip
+        if hidden_states.dtype == residual.dtype:
+            residual, hidden_states = ops.sandwich_norm(hidden_states, residual, _norm_weight(post),
+                                                        _norm_weight(pre), post.eps)  # fmt: skip
+        else:  # autocast: a bf16 attention output beside the fp32 residual; stock's three steps, its promotion
+            residual = residual + post(hidden_states)
+            hidden_states = pre(residual)
         hidden_states = self.mlp(hidden_states)
         hidden_states = residual + self.post_feedforward_layernorm(hidden_states)
 

@@ -304,3 +304,30 @@ def test_first_enable_leaves_a_seeded_rng_alone(monkeypatch):
     g4ops.enable()
     assert integration._probed  # the probe really ran inside this enable()
     assert torch.equal(torch.rand(5), expected)
+
+
+def test_decoder_layer_under_bf16_autocast_trains_like_stock():
+    """Under autocast (Trainer's and TRL's bf16=True over fp32 weights) the attention output is bf16 and the residual
+    fp32: the layer adds them as stock does (promoting to fp32) instead of handing sandwich_norm mixed dtypes. The
+    loss and every gradient stay within stock's own autocast error of the fp32 (no autocast) run, or close to it."""
+    model = build_model("tiny-e4b").train()
+    ids = _tokens(model.config.vocab_size)
+
+    def loss_and_grads(autocast):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach().double(), {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+
+    exact_loss, exact_grads = loss_and_grads(autocast=False)
+    stock_loss, stock_grads = loss_and_grads(autocast=True)
+    with g4ops.enable():
+        loss, grads = loss_and_grads(autocast=True)
+    assert torch.isfinite(loss)
+    assert abs(loss - exact_loss) <= 2 * abs(stock_loss - exact_loss) + 1e-3 * abs(exact_loss)
+    assert grads.keys() == stock_grads.keys() == exact_grads.keys()
+    for name, g in grads.items():
+        ref = exact_grads[name]
+        ours, stock = ((t - ref).norm() / ref.norm() for t in (g, stock_grads[name]))
+        assert ours <= 2 * stock + 1e-3, (name, ours.item(), stock.item())
