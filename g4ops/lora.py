@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +58,7 @@ from torch import nn
 
 from . import ops, reference
 from ._build import ensure_cuda_kernels, status
+from ._fused import run_compiled
 
 logger = logging.getLogger("g4ops")
 
@@ -277,24 +277,8 @@ _compile_failed: list = []
 
 
 def _fused(fn, *args):
-    wanted = _LORA_COMPILE == "1" or (_LORA_COMPILE is None and args[0].device.type == "cuda")
-    if not wanted or _compile_failed:
-        return fn(*args)
-    compiled = _compiled.get(fn)
-    if compiled is None:
-        compiled = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
-    try:
-        # below autograd and ADInplaceOrView always, so Dynamo's dispatch-key guards see one state (loss.py: the
-        # H200 recompiled its helpers when the op was reached with and without autograd's keys excluded)
-        with torch._C._AutoDispatchBelowADInplaceOrView():
-            return compiled(*args)
-    except Exception as exc:  # noqa: BLE001 - slower but correct beats failing the training step
-        if isinstance(exc, torch.OutOfMemoryError):
-            raise
-        _compile_failed.append(repr(exc))
-        warnings.warn(f"g4ops.lora_geglu_mlp: torch.compile of its math failed ({exc!r}); running it eagerly from "
-                      "now on (slower, same results)", stacklevel=2)  # fmt: skip
-        return fn(*args)
+    return run_compiled(fn, args, _LORA_COMPILE, _compiled, _compile_failed,
+                        "g4ops.lora_geglu_mlp: torch.compile of its math")  # fmt: skip
 
 
 def _forward_kernel(*args):

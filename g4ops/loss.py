@@ -53,11 +53,11 @@ Double backward is not supported (once_differentiable), like Liger's fused loss.
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import torch.nn.functional as F
 
+from ._fused import run_compiled
 from .ops import _internal_op_autograd, _lib
 from .reference import accumulation_dtype
 
@@ -202,30 +202,8 @@ _compile_failed: list = []
 
 
 def _run_fused(fn, *args):
-    device = args[0].device
-    wanted = _LOSS_COMPILE == "1" or (_LOSS_COMPILE is None and device.type == "cuda")
-    if not wanted or _compile_failed:
-        return fn(*args)
-    compiled = _compiled.get(fn)
-    if compiled is None:
-        compiled = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
-    try:
-        # Always below autograd and ADInplaceOrView (these are steps of an op with its own backward): Dynamo guards
-        # on the inputs' dispatch keys after the thread's exclusions, and the op is reached with those keys
-        # excluded and without (H200, 2026-12-01: a compiled training step's first call saw them excluded, the
-        # second not, and both helpers recompiled); from inference mode too.
-        with torch._C._AutoDispatchBelowADInplaceOrView():
-            return compiled(*args)
-    except Exception as exc:  # noqa: BLE001 - slower but correct beats failing the training step
-        if isinstance(exc, torch.OutOfMemoryError):
-            raise
-        _compile_failed.append(repr(exc))
-        warnings.warn(
-            f"g4ops.linear_cross_entropy: torch.compile of its elementwise part failed ({exc!r}); running it "
-            "eagerly from now on (slower, same results)",
-            stacklevel=2,
-        )
-        return fn(*args)
+    return run_compiled(fn, args, _LOSS_COMPILE, _compiled, _compile_failed,
+                        "g4ops.linear_cross_entropy: torch.compile of its elementwise part")  # fmt: skip
 
 
 def linear_cross_entropy_reference(

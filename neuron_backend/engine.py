@@ -143,25 +143,14 @@ class NeuronEngine(BatchEngine):
             sampling = (self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.counter)
         return self.runner(ids, start, valid, sampling).tolist()
 
-    def _admit(self) -> None:
-        while True:
-            row = next((i for i, r in enumerate(self._rows) if r is None), None)
-            with self._lock:
-                if row is None or not self._waiting:
-                    return
-                req = self._waiting.popleft()
-                self._held += 1
-            req.row = row
-            self._rows[row] = req
-            p = req.params
-            self.temperature[row] = p.temperature
-            self.top_k[row] = p.top_k
-            self.top_p[row] = p.top_p
-            self.min_p[row] = p.min_p
-            self.seed[row] = p.seed if p.seed is not None else self._seeds.getrandbits(63)
-            self.counter[row] = 0
-            self.active[row] = False
-            self._prefilling.append(req)
+    def _assign_row(self, row: int, p) -> None:
+        self.temperature[row] = p.temperature
+        self.top_k[row] = p.top_k
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.seed[row] = p.seed if p.seed is not None else self._seeds.getrandbits(63)
+        self.counter[row] = 0
+        self.active[row] = False
 
     def _prefill(self) -> None:
         s, b = self.settings, self.max_batch

@@ -1,8 +1,10 @@
 """Device helpers shared by the test files: the parametrisation (every test runs on CPU, and the same checks run on
-CUDA, marked `cuda` and skipped without a GPU) and CUDA-graph capture."""
+CUDA, marked `cuda` and skipped without a GPU), CUDA-graph capture, one intra-op thread, and a counter of the g4ops
+ops a piece of code really dispatched."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 DEVICES = [
     "cpu",
@@ -26,3 +28,28 @@ def capture_cuda_graph(step):
     with torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread():
+    """Tiny matmuls: one intra-op thread is faster, and far faster on a shared, loaded machine. A module that
+    imports this fixture runs with it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class G4opsCalls(TorchDispatchMode):
+    """`with G4opsCalls() as c:` counts the g4ops op calls by name in `c.calls` (a silent fallback to stock shows
+    as a missing name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith("g4ops."):
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))

@@ -73,20 +73,9 @@ def train_step(model, ids, labels, num_items, scale):
 
 
 def _counter():
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from devices import G4opsCalls  # in the spawned workers too (spawn gives them this sys.path)
 
-    class Counter(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls: dict[str, int] = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = str(func)
-            if name.startswith("g4ops."):
-                self.calls[name] = self.calls.get(name, 0) + 1
-            return func(*args, **(kwargs or {}))
-
-    return Counter()
+    return G4opsCalls()
 
 
 def _fsdp2(model):

@@ -23,10 +23,10 @@ from g4ops.models import build_model, text_config
 
 try:
     from . import oracle as O
-    from .devices import DEVICES
+    from .devices import DEVICES, G4opsCalls
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import oracle as O
-    from devices import DEVICES
+    from devices import DEVICES, G4opsCalls
 
 peft = pytest.importorskip("peft")
 hf = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
@@ -47,20 +47,6 @@ def _always_disabled():
         pass
     yield
     g4ops.disable()
-
-
-class _Counter(TorchDispatchMode):
-    """g4ops op calls by name (as tests/test_distributed.py counts them)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if name.startswith("g4ops."):
-            self.calls[name] = self.calls.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 class _Holder(nn.Module):
@@ -97,7 +83,7 @@ def _run(model, x, grad_out, enabled: bool):
     """(output, x's gradient, {trainable parameter: gradient}, g4ops op calls), with g4ops enabled or not."""
     model.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
-    counter = _Counter()  # only around g4ops (stock under a Python dispatch mode is slow)
+    counter = G4opsCalls()  # only around g4ops (stock under a Python dispatch mode is slow)
     with g4ops.enable() if enabled else _nothing(), counter if enabled else _nothing():
         out = model(x)
         out.backward(grad_out)
@@ -219,7 +205,7 @@ def test_several_active_adapters_and_set_adapter(device):
 
 
 def _forward_calls(model, x):
-    counter = _Counter()
+    counter = G4opsCalls()
     with torch.no_grad(), g4ops.enable(), counter:
         out = model(x)
     return out, counter.calls
@@ -462,7 +448,7 @@ def test_tiny_model_lora_on_all_projections_matches_stock(device, attention):
 
     def step(enabled):
         model.zero_grad(set_to_none=True)
-        counter = _Counter()
+        counter = G4opsCalls()
         patches = (g4ops.enable(base, attention=True) if attention else g4ops.enable()) if enabled else _nothing()
         with patches, counter if enabled else _nothing():
             implementations.append(base.model.layers[0].self_attn.config._attn_implementation)

@@ -16,16 +16,9 @@ from neuron_backend.loader import build_rank_model
 from neuron_backend.runner import CompiledRunner, ModuleRunner
 from neuron_backend.sampling import SAMPLING_INPUTS
 from test_neuron_compile_driver import _install_fake_sdk
+from devices import one_intra_op_thread  # noqa: F401 - autouse: this module runs on one thread
 
 pytest.importorskip("safetensors")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _run(engine, requests):

@@ -12,21 +12,13 @@ from neuron_backend.config import BuildSettings
 from neuron_backend.export import example_inputs
 from neuron_backend.loader import _text_config, build_rank_model, text_state_dict
 from neuron_backend.runner import ModuleRunner
+from devices import one_intra_op_thread  # noqa: F401 - autouse: this module runs on one thread
 
 pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
 
 
 def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is faster, and far faster on a shared, loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

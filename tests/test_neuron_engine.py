@@ -19,21 +19,13 @@ from neuron_backend.engine import NeuronEngine
 from neuron_backend.loader import _text_config, build_rank_model, text_state_dict
 from neuron_backend.runner import ModuleRunner
 from neuron_backend.serve import engine_from_hf_model
+from devices import one_intra_op_thread  # noqa: F401 - autouse: this module runs on one thread
 
 pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
 
 CONTEXT = 48
 BUCKETS = (8, 16)  # a 21-token prompt takes two prefill calls (16 + 5 padded to 8)
 DEADLINE_S = 30.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is faster, and far faster on a shared, loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from g4ops.serve.cli import defaults_for  # noqa: E402
 from g4ops.serve.params import sampling_params  # noqa: E402
 from g4ops.serve.protocol import CompletionRequest  # noqa: E402
 from neuron_backend.serve import engine_from_hf_model  # noqa: E402
+from devices import one_intra_op_thread  # noqa: E402, F401 - autouse: this module runs on one thread
 
 NAME = "tiny"
 CONTEXT = 160
@@ -74,15 +75,6 @@ def server():
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is faster, and far faster on a shared, loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

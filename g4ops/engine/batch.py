@@ -487,17 +487,20 @@ class BatchEngine:
                 self._held += 1
             req.row = row
             self._rows[row] = req
-            p = req.params
-            greedy = p.temperature == 0
-            self.temperature[row] = p.temperature if not greedy else 1.0
-            self.top_k[row] = p.top_k
-            self.top_p[row] = p.top_p
-            self.min_p[row] = p.min_p
-            self.greedy[row] = greedy
-            self.seed[row] = p.seed if p.seed is not None else 0
-            self.seeded[row] = p.seed is not None
-            self.counter[row] = 0
+            self._assign_row(row, req.params)
             self._prefilling.append(req)
+
+    def _assign_row(self, row: int, p: SamplingParams) -> None:
+        """Set a newly admitted request's per-row step inputs (its sampling settings)."""
+        greedy = p.temperature == 0
+        self.temperature[row] = p.temperature if not greedy else 1.0
+        self.top_k[row] = p.top_k
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.greedy[row] = greedy
+        self.seed[row] = p.seed if p.seed is not None else 0
+        self.seeded[row] = p.seed is not None
+        self.counter[row] = 0
 
     def _prefill(self) -> None:
         """One prefill call over the oldest prompts in prefill: each contributes its next chunk (at most

@@ -1,0 +1,35 @@
+"""One way for an op's own elementwise math to run through torch.compile from inside the op (loss.py, lora.py):
+Inductor fuses it into a few kernels, the op stays opaque to an outer torch.compile, and a compiler failure costs
+speed, never the step."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+
+def run_compiled(fn, args: tuple, setting: str | None, compiled: dict, failed: list, what: str):
+    """`fn(*args)` compiled (dynamic shapes, one cache entry per fn in `compiled`) when `setting` (the op's
+    environment switch) is "1", or unset and args[0] is on CUDA; eagerly when it is "0" or a compilation failed
+    before (`failed` holds why; the first failure warns, naming `what`)."""
+    wanted = setting == "1" or (setting is None and args[0].device.type == "cuda")
+    if not wanted or failed:
+        return fn(*args)
+    runner = compiled.get(fn)
+    if runner is None:
+        runner = compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    try:
+        # Always below autograd and ADInplaceOrView (these are steps of an op with its own backward): Dynamo guards
+        # on the inputs' dispatch keys after the thread's exclusions, and the op is reached with those keys
+        # excluded and without (H200, 2026-12-01: a compiled training step's first call saw them excluded, the
+        # second not, and the loss helpers recompiled); from inference mode too.
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return runner(*args)
+    except Exception as exc:  # noqa: BLE001 - slower but correct beats failing the training step
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise
+        failed.append(repr(exc))
+        warnings.warn(f"{what} failed ({exc!r}); running it eagerly from now on (slower, same results)",
+                      stacklevel=3)  # fmt: skip
+        return fn(*args)
