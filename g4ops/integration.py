@@ -625,7 +625,17 @@ def _packed_segments(position_ids, q_len: int, kv_len: int, mask_given: bool):
         if not mask_given:
             torch._assert_async((position_ids.diff(dim=-1) == 1).all(), _PACKED_UNDER_COMPILE)
         return None
-    return find_packed_sequence_indices(position_ids)
+    # every layer of a forward gets the same position_ids tensor: read it (a host sync) once, not once per layer.
+    # The cache holds the tensor itself, so `is` cannot match a new tensor at a reused address.
+    cached, version, segments = _last_segments
+    if cached is position_ids and version == position_ids._version:
+        return segments
+    segments = find_packed_sequence_indices(position_ids)
+    _last_segments[:] = [position_ids, position_ids._version, segments]
+    return segments
+
+
+_last_segments: list = [None, None, None]  # [position_ids, its _version, its segments]
 
 
 _PACKED_UNDER_COMPILE = (

@@ -374,3 +374,26 @@ def test_compiled_packed_training_matches_eager_and_a_cache_is_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_compiled_packed_training_on_cuda_with_inductor():
     _compiled_packed_training("cuda", "inductor")
+
+
+def test_packed_positions_are_read_once_per_forward(monkeypatch):
+    """Reading position_ids is a host sync: g4ops adds one per forward to transformers' own mask reads, not one per
+    layer."""
+    import transformers.masking_utils as masking_utils
+
+    reads = []
+    real = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda p: reads.append(1) or real(p))
+    model = build_model("tiny-e4b").train()
+    ids = torch.randint(3, 500, (1, 12), generator=torch.Generator().manual_seed(0))
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])
+
+    def reads_of_one_forward():
+        before = len(reads)
+        model(input_ids=ids, position_ids=position_ids.clone(), use_cache=False)
+        return len(reads) - before
+
+    stock = reads_of_one_forward()
+    with g4ops.enable(model, attention=True):
+        assert [reads_of_one_forward() for _ in range(2)] == [stock + 1] * 2
+    assert model.config.num_hidden_layers > 2
