@@ -317,6 +317,9 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-args", default="--continuous-batching",
                     help="extra arguments of `transformers serve` (default: %(default)s)")
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")
+    ap.add_argument("--baseline-concurrency", default=None,
+                    help="levels for transformers serve (default: --concurrency); stock without continuous batching "
+                         "serves one request at a time, so its high levels cost minutes of device time each")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--output-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2, help="requests per concurrent client at each level")
@@ -335,8 +338,9 @@ def main(argv=None) -> int:
         plot(json.loads(Path(args.plot_only).read_text()), args.plot)
         return 0
     levels = [int(c) for c in args.concurrency.split(",")]
+    baseline_levels = [int(c) for c in (args.baseline_concurrency or args.concurrency).split(",")]
     servers = args.servers.split(",")
-    if min(levels) < 1 or args.prompt_tokens < 2 or args.output_tokens < 2 or args.rounds < 1:
+    if min(levels + baseline_levels) < 1 or args.prompt_tokens < 2 or args.output_tokens < 2 or args.rounds < 1:
         ap.error("concurrency >= 1, --prompt-tokens >= 2, --output-tokens >= 2 and --rounds >= 1")
     if not servers or any(s not in SERVERS for s in servers) or (args.url and len(servers) != 1):
         ap.error(f"--servers: names from {SERVERS}, exactly one with --url; got {args.servers!r}")
@@ -352,7 +356,8 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 model_dir = args.model or save_checkpoint(args, tmp)
                 for server in servers:
-                    run = launch_and_measure(server, args, model_dir, levels, args.baseline_args)
+                    server_levels = baseline_levels if server == "transformers" else levels
+                    run = launch_and_measure(server, args, model_dir, server_levels, args.baseline_args)
                     failed = [r["error"] for r in run["levels"] if "error" in r][:1]
                     if server == "transformers" and "--continuous-batching" in args.baseline_args.split() and failed:
                         # "continuous batching on if it runs": stock's paged cache may not take Gemma-4; then
@@ -360,9 +365,11 @@ def main(argv=None) -> int:
                         print(f"== transformers with continuous batching failed ({failed[0][:200]}); again "
                               "without it", flush=True)
                         plain = args.baseline_args.replace("--continuous-batching", "--no-continuous-batching")
-                        run = dict(launch_and_measure(server, args, model_dir, levels, plain),
+                        run = dict(launch_and_measure(server, args, model_dir, server_levels, plain),
                                    continuous_batching_error=failed[0])  # fmt: skip
                     results["runs"].append(run)
+                    if args.out:  # each server's results land as soon as it is done (a call may be cut short)
+                        Path(args.out).write_text(json.dumps(results, indent=1))
                     clean = clean and run.get("server_exit_code", 0) in (0, -signal.SIGTERM)
     finally:
         if args.out:
