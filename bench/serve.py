@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", help="without --model: random weights of this shape (e4b; default tiny-e4b)")
     ap.add_argument("--device", help="for the launched servers")
     ap.add_argument("--dtype", help="for the launched servers (default: bfloat16 on CUDA, float32 on a CPU)")
-    ap.add_argument("--g4ops-args", default="", help="extra arguments of `python -m g4ops serve` (e.g. --compile)")
+    ap.add_argument("--g4ops-args", default="", help="extra arguments of `python -m g4ops serve` (e.g. --no-compile)")
     ap.add_argument("--baseline-args", default="--continuous-batching",
                     help="extra arguments of `transformers serve` (default: %(default)s)")
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")

@@ -473,6 +473,25 @@ def test_cuda_graph_buckets_equal_eager(dtype):
                 assert g.tokens == _stock(model, prompt, 18)
 
 
+def test_compile_failure_falls_back_to_the_uncompiled_step(model, caplog):
+    """`serve` compiles the step by default on CUDA: a compiler failure during warm-up must leave a working engine
+    on the uncompiled step with a warning naming the failure, not a server that does not start."""
+    sched = [(0, _prompt(7, 1), _greedy()), (2, _prompt(12, 2), _greedy())]
+    plain = _drive(BatchEngine(model, max_batch=2, max_context=64, cuda_graph=False), sched)
+    engine = BatchEngine(model, max_batch=2, max_context=64, cuda_graph=False)
+
+    def failing_compile(*args):
+        raise RuntimeError("inductor says no")
+
+    engine._logits_fn = failing_compile  # what compile=True's torch.compile raises on its first call, made up
+    with caplog.at_level("WARNING", logger="g4ops.engine.batch"):
+        engine.warmup()
+    assert "compiling the decode step failed" in caplog.text and "inductor says no" in caplog.text
+    assert engine._logits_fn == engine._logits
+    for p, e in zip(plain, _drive(engine, sched)):
+        assert e.tokens == p.tokens and e.reason == p.reason
+
+
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_compiled_warmed_up_graphs_equal_eager():

@@ -457,6 +457,10 @@ def test_tiny_model_lora_on_all_projections_matches_stock(device, attention):
         return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, counter.calls
 
     implementations = []
+    exact = copy.deepcopy(model).to(torch.float64)  # stock peft in fp64 on the same weights: the oracle
+    exact.zero_grad(set_to_none=True)
+    exact(ids, labels=ids).loss.backward()
+    grads64 = {n: p.grad for n, p in exact.named_parameters() if p.requires_grad}
     loss0, grads0, _ = step(False)
     loss1, grads1, calls = step(True)
     used = implementations[-1]
@@ -467,11 +471,18 @@ def test_tiny_model_lora_on_all_projections_matches_stock(device, attention):
     assert abs(loss1.item() - loss0.item()) <= _fp32_tol(base.config.vocab_size) * abs(loss0.item())
     for proj in targets:  # every projection's adapters train, attention's too
         assert any(f"{proj}.lora_A" in n for n in grads1), proj
+    # a 6-layer model: the fp32 reassociation noise of each layer's ops adds up (tests/test_integration.py's
+    # whole-model bound is of the same size)
+    noise = layers * _fp32_tol(base.config.hidden_size * 21)
     for name, g in grads0.items():
         assert grads1[name] is not None, name
-        # a 6-layer model: the fp32 reassociation noise of each layer's ops adds up (tests/test_integration.py's
-        # whole-model bound is of the same size)
-        assert O.rel_err(grads1[name], g) <= layers * _fp32_tol(base.config.hidden_size * 21), name
+        # no further from fp64 than stock peft's own fp32 gradient is; and on CPU (the same ATen kernels) that
+        # close to stock's too. On CUDA two fp32 GEMM orders of layer 0's deepest gradients differ by about their
+        # own errors (H200, 2026-12-01: 5.7e-5 to 6.0e-5 between g4ops and stock, over the 5.4e-5 bound)
+        O.assert_no_worse_than_stock(name, O.rel_err(grads1[name], grads64[name]),
+                                     O.rel_err(g, grads64[name]), noise)  # fmt: skip
+        if device == "cpu":
+            assert O.rel_err(grads1[name], g) <= noise, name
 
 
 @pytest.mark.cuda

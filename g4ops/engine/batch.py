@@ -417,7 +417,7 @@ class BatchEngine:
                         self._graph(b, mode)
                     else:
                         with self._rows_off():
-                            self._run_step(b, mode)
+                            self._warm_step(b, mode)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop accepting requests, end every request in flight with "cancelled", join the engine thread."""
@@ -666,6 +666,20 @@ class BatchEngine:
         with self._step_attention():
             self._step(b, mode)
 
+    def _warm_step(self, b: int, mode: tuple) -> None:
+        """`_run_step` before a capture: with compile=True the first one compiles, and a compiler failure leaves the
+        engine on the uncompiled step (slower, the same tokens) with a warning instead of failing the server's
+        start."""
+        try:
+            self._run_step(b, mode)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: the uncompiled step still works
+            if self._logits_fn == self._logits or isinstance(exc, torch.OutOfMemoryError):  # bound methods: ==
+                raise
+            log.warning("BatchEngine: compiling the decode step failed; every bucket runs the uncompiled step "
+                        "(slower): %s: %s", type(exc).__name__, exc)  # fmt: skip
+            self._logits_fn = self._logits
+            self._run_step(b, mode)
+
     def _graph(self, b: int, mode: tuple) -> torch.cuda.CUDAGraph:
         """The captured step of bucket b in `mode`, captured now if new. Warm-up and capture run the step for real
         with every row switched off, which changes nothing but the scratch slots and the generator."""
@@ -676,8 +690,8 @@ class BatchEngine:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(2):  # lazy kernel loads, cuBLAS workspaces: capture forbids both
-                    self._run_step(b, mode)
+                for _ in range(2):  # compilation, lazy kernel loads, cuBLAS workspaces: capture forbids them
+                    self._warm_step(b, mode)
             torch.cuda.current_stream().wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
