@@ -5,6 +5,8 @@ the top kernels by total time. Wall >> GPU busy means the host (Python, launches
 
     python bench/profile_steps.py --layers 12 --parts decode,train --json $OUT/profile.json
     python bench/profile_steps.py --layers 12 --parts graph --batches 1,4   # g4ops.engine.decoder.Decoder's step
+    python bench/profile_steps.py --layers 42 --parts train --lora 16 --attention --train-modes compiled
+                                  # a LoRA finetune step: is it host-bound (wall >> GPU busy)?
 
 `graph`: the compiled step of the CUDA-graphed decoder. Its wall time per token is measured on graph replays
 (`generate`, no profiler); the kernel table comes from the same compiled step run without the graph, so it lists
@@ -101,13 +103,20 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per profiled generate() call")
     parser.add_argument("--batches", default="1", help="graph: decode batch sizes, comma separated")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--variants", default="stock,g4ops")
+    parser.add_argument("--train-modes", default="eager,compiled", help="train: eager, compiled or both")
+    parser.add_argument("--lora", type=int, default=0, metavar="R",
+                        help="train: peft LoRA of rank R on every projection (bench/e2e.py's setup), both variants")
+    parser.add_argument("--attention", action="store_true", help="g4ops variant: enable(model, attention=True)")
     parser.add_argument("--json")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     results = {}
-    for variant in ("stock", "g4ops"):
-        patches = g4ops.enable() if variant == "g4ops" else None
+    for variant in args.variants.split(","):
         model = build_model("e4b", num_layers=args.layers, dtype=torch.bfloat16, device="cuda")
+        patches = None
+        if variant == "g4ops":
+            patches = g4ops.enable(model, attention=True) if args.attention else g4ops.enable()
         if "decode" in parts:
             torch._dynamo.reset()
             r = _profile(decode_case(model, 1, args.new_tokens), steps=2, top=args.top)
@@ -120,13 +129,20 @@ def main():
                 results[f"{variant} graph decoder b{batch} (per token)"] = graph_decode_case(
                     model, batch, args.new_tokens, args.top)
         if "train" in parts:
-            model.train()
+            trained = model
+            if args.lora:
+                from e2e import lora_model  # bench/ is on sys.path when this script runs
+
+                trained = lora_model(model, args.lora)
+            trained.train()
+            lora = f" lora r{args.lora}" if args.lora else ""
             for tokens in map(int, args.tokens.split(",")):
-                for compiled in (False, True):
+                for mode in args.train_modes.split(","):
                     torch._dynamo.reset()
-                    r = _profile(train_case(model, tokens, compiled), steps=2, top=args.top)
-                    results[f"{variant} train {tokens} {'compiled' if compiled else 'eager'}"] = r
-            model.eval()
+                    r = _profile(train_case(trained, tokens, mode == "compiled"), steps=2, top=args.top)
+                    results[f"{variant}{lora} train {tokens} {mode}"] = r
+            trained.eval()
+            del trained
         del model
         torch.cuda.empty_cache()
         if patches is not None:
