@@ -110,6 +110,19 @@ def _logits(model, ids) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+def _train_like_stock_and_save(make_trainer, saved) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train stock, then with g4ops; the loss curves agree. The g4ops run is saved to `saved`, then g4ops is
+    disabled: (probe ids, the trained model's logits on them, computed with g4ops still on)."""
+    _, stock_curve = _run(make_trainer, with_g4ops=False)
+    trainer, curve = _run(make_trainer, with_g4ops=True)
+    _assert_same_curve(stock_curve, curve)
+    trainer.save_model(str(saved))
+    ids = _probe_ids(trainer.model.config.vocab_size)
+    trained = _logits(trainer.model, ids)
+    g4ops.disable()
+    return ids, trained
+
+
 def test_hf_trainer_full_finetune_packed(tmp_path):
     """HF Trainer, full finetune, DataCollatorWithFlattening (packed rows, position_ids restart), gradient
     accumulation and checkpointing; the saved checkpoint reloads into a fresh stock Gemma4ForCausalLM."""
@@ -122,14 +135,7 @@ def test_hf_trainer_full_finetune_packed(tmp_path):
         return Trainer(model=model, args=_args(TrainingArguments, tmp_path / "run"), train_dataset=data,
                        data_collator=DataCollatorWithFlattening())  # fmt: skip
 
-    stock, stock_curve = _run(make, with_g4ops=False)
-    trainer, curve = _run(make, with_g4ops=True)
-    _assert_same_curve(stock_curve, curve)
-
-    trainer.save_model(str(tmp_path / "saved"))
-    ids = _probe_ids(trainer.model.config.vocab_size)
-    trained = _logits(trainer.model, ids)  # g4ops still on
-    g4ops.disable()
+    ids, trained = _train_like_stock_and_save(make, tmp_path / "saved")
     fresh = Gemma4ForCausalLM.from_pretrained(str(tmp_path / "saved"))
     assert not g4ops.is_enabled() and not g4ops.is_enabled(fresh)
     assert O.rel_err(_logits(fresh, ids), trained) <= LOGITS_RTOL
@@ -159,15 +165,7 @@ def test_trl_sft_lora_packed(tmp_path):
 
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                                                                            "gate_proj", "up_proj", "down_proj"])  # fmt: skip
-    make = _sft(tmp_path, packing=True, peft_config=lora)
-    _, stock_curve = _run(make, with_g4ops=False)
-    trainer, curve = _run(make, with_g4ops=True)
-    _assert_same_curve(stock_curve, curve)
-
-    trainer.save_model(str(tmp_path / "adapter"))
-    ids = _probe_ids(trainer.model.config.vocab_size)
-    trained = _logits(trainer.model, ids)
-    g4ops.disable()
+    ids, trained = _train_like_stock_and_save(_sft(tmp_path, packing=True, peft_config=lora), tmp_path / "adapter")
     base = copy.deepcopy(_built())  # the same base weights, never patched
     fresh = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
     assert not g4ops.is_enabled() and not g4ops.is_enabled(fresh)
@@ -182,14 +180,7 @@ def test_trl_sft_full_finetune_padded(tmp_path):
     from transformers import Gemma4ForCausalLM
 
     make = _sft(tmp_path, packing=False, gradient_checkpointing=False)  # the other two cases checkpoint
-    _, stock_curve = _run(make, with_g4ops=False)
-    trainer, curve = _run(make, with_g4ops=True)
-    _assert_same_curve(stock_curve, curve)
-
-    trainer.save_model(str(tmp_path / "saved"))
-    ids = _probe_ids(trainer.model.config.vocab_size)
-    trained = _logits(trainer.model, ids)
-    g4ops.disable()
+    ids, trained = _train_like_stock_and_save(make, tmp_path / "saved")
     fresh = Gemma4ForCausalLM.from_pretrained(str(tmp_path / "saved"))
     assert O.rel_err(_logits(fresh, ids), trained) <= LOGITS_RTOL
 
