@@ -52,7 +52,7 @@ import torch
 
 from ..models import FULL
 from .cache import text_attentions
-from .decoder import K_CAPS, _register_decode_attention, step_attention
+from .decoder import K_CAPS, _register_decode_attention, compiled_prefill, is_compiled, step_attention
 from .sampler import sample, seeded_exponential
 
 __all__ = ["BatchEngine", "EngineStats", "QueueFull", "SamplingParams", "SlotKVCache", "TokenEvent"]
@@ -207,21 +207,24 @@ class _PrefillCall(_CacheCall):
     (earlier positions already cached), left-padded to one length N, so every row's last token is the call's last
     position (logits_to_keep=1). A padding token writes to scratch and sees only itself (or slot 0: finite)."""
 
-    def __init__(self, cache: SlotKVCache, rows: list[int], starts: list[int], lens: list[int]):
+    def __init__(self, cache: SlotKVCache, rows: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, n, end,
+                 first: int | None = None):  # fmt: skip
+        """rows, start, lens: [k] int64 device tensors; n: the padded length N; end: max(start + lens). Compiled
+        (BatchEngine's compiled prefill), n and end are the sizes of tensors, never Python ints a graph would
+        specialise on. `first`: the one row's index when k == 1 (eager only): views of the buffers, no gathers."""
         self.cache = cache
-        dev = cache.keys[next(iter(cache.keys))].device
-        self.k, self.n = len(rows), max(lens)
-        self.end = max(s + n for s, n in zip(starts, lens))  # full layers attend over slots [0, end)
-        self.first = rows[0] if self.k == 1 else None  # one row: views of the buffers instead of gathers
-        self.rows = torch.tensor(rows, dtype=torch.long, device=dev)
-        start = torch.tensor(starts, dtype=torch.long, device=dev)[:, None]
-        pad = self.n - torch.tensor(lens, dtype=torch.long, device=dev)[:, None]
-        j = torch.arange(self.n, device=dev)[None, :]
+        dev = rows.device
+        self.k, self.n, self.end = rows.shape[0], n, end  # full layers attend over slots [0, end)
+        self.first = first
+        self.rows = rows
+        start = start[:, None]
+        pad = n - lens[:, None]
+        j = torch.arange(n, device=dev)[None, :]
         self.real = j >= pad  # [k, N]
         self.pos = start - pad + j  # the position of chunk token j (meaningless on padding)
         self.position_ids = torch.where(self.real, self.pos, 0)
         w = cache.window
-        in_ring = j >= self.n - torch.minimum(self.n - pad, torch.tensor(w, device=dev))  # the last w real tokens
+        in_ring = j >= n - torch.clamp(n - pad, max=w)  # the last w real tokens
         self.slot = {True: torch.where(self.real, self.pos, cache.max_context),
                      False: torch.where(in_ring, torch.remainder(self.pos, w), w)}  # fmt: skip
         self.start = start
@@ -300,7 +303,8 @@ class BatchEngine:
     """
 
     def __init__(self, model, max_batch: int = 16, max_context: int = 2048, max_waiting: int = 256,
-                 prefill_chunk: int = 256, cuda_graph: bool | None = None, compile: bool = False):  # fmt: skip
+                 prefill_chunk: int = 256, cuda_graph: bool | None = None, compile: bool = False,
+                 compile_prefill: bool | None = None):  # fmt: skip
         for name, value, low in (("max_batch", max_batch, 1), ("max_context", max_context, 2),
                                  ("max_waiting", max_waiting, 0), ("prefill_chunk", prefill_chunk, 1)):  # fmt: skip
             if not _is_int(value) or value < low:
@@ -338,6 +342,10 @@ class BatchEngine:
         self.buckets = _buckets(max_batch)
         # compile=True compiles the step's model call, not the sampler, so the sampling modes share the compilation
         self._logits_fn = torch.compile(self._logits, fullgraph=True) if compile else self._logits
+        # compile_prefill (default: compile): the prefill's model call compiled with dynamic shapes, one graph for
+        # every chunk length, row count and cached length (decoder.compiled_prefill)
+        self._prefill_fn = compiled_prefill(self._prefill_logits) if (
+            compile if compile_prefill is None else compile_prefill) else self._prefill_logits  # fmt: skip
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (bucket, mode) -> captured step
         self._pool = None  # one memory pool for every captured step (they never run at the same time)
 
@@ -515,12 +523,10 @@ class BatchEngine:
             width = max(width, n)
         try:
             ids = [[0] * (width - n) + req.prompt[req.prefilled : req.prefilled + n] for req, n in batch]
-            call = _PrefillCall(self.cache, [r.row for r, _ in batch], [r.prefilled for r, _ in batch],
-                                [n for _, n in batch])  # fmt: skip
-            logits = self.model(
-                input_ids=torch.tensor(ids, dtype=torch.long, device=self.device), attention_mask=call.masks(),
-                position_ids=call.position_ids, **{self._cache_kw: call}, use_cache=True, logits_to_keep=1,
-            ).logits[:, -1].float()  # fmt: skip
+            rows = [[r.row for r, _ in batch], [r.prefilled for r, _ in batch], [n for _, n in batch]]
+            logits = self._run_prefill(torch.tensor(ids, dtype=torch.long, device=self.device),
+                                       torch.tensor(rows, dtype=torch.long, device=self.device),
+                                       max(r.prefilled + n for r, n in batch))  # fmt: skip
             first = {}
             for i, (req, n) in enumerate(batch):
                 req.prefilled += n
@@ -541,6 +547,32 @@ class BatchEngine:
             self.position[r] = len(req.prompt)
             self.counter[r] = 1
             self._emit_token(req, token, activate=True)
+
+    def _prefill_logits(self, input_ids: torch.Tensor, rows: torch.Tensor, end: int) -> torch.Tensor:
+        """The prefill call's model call (compiled by decoder.compiled_prefill): input_ids [k, N] left-padded,
+        rows [3, k] (each row's KV row, cached length and chunk length), `end` = max(cached + chunk) -> fp32 logits
+        [k, V] of the last position."""
+        first = None
+        if not is_compiled(self._prefill_fn, self._prefill_logits) and rows.shape[1] == 1:
+            first = int(rows[0, 0])  # eager, one row: buffer views instead of gathers (a graph would specialise on it)
+        call = _PrefillCall(self.cache, rows[0], rows[1], rows[2], input_ids.shape[1], end, first)
+        return self.model(
+            input_ids=input_ids, attention_mask=call.masks(), position_ids=call.position_ids,
+            **{self._cache_kw: call}, use_cache=True, logits_to_keep=1,
+        ).logits[:, -1].float()  # fmt: skip
+
+    def _run_prefill(self, input_ids: torch.Tensor, rows: torch.Tensor, end: int) -> torch.Tensor:
+        try:
+            return self._prefill_fn(input_ids, rows, end)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager prefill still works
+            if not is_compiled(self._prefill_fn, self._prefill_logits) or isinstance(exc, torch.OutOfMemoryError):
+                raise
+            # a compiler error raises while tracing or building, before the graph runs: the cache is untouched, so
+            # the eager call below reads the ring as it was before this chunk
+            log.warning("BatchEngine: compiling the prefill failed; prefill runs eagerly (slower): %s: %s",
+                        type(exc).__name__, exc)  # fmt: skip
+            self._prefill_fn = self._prefill_logits
+            return self._prefill_fn(input_ids, rows, end)
 
     @staticmethod
     def _mode(reqs) -> tuple:

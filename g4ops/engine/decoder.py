@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import inspect
 import logging
 import time
@@ -45,6 +46,31 @@ logger = logging.getLogger("g4ops")
 DECODE_ATTENTION = "g4ops_graph_decode"  # the attention implementation name the step's configs carry
 K_CAPS = (64, 256, 1024)  # top-k candidate sizes a sampling graph may use for the threshold (exact: sampler.warp)
 _MAX_EOS_IDS = 8  # the EOS ids min_new_tokens holds back live in a fixed-size buffer (the graph's shapes are fixed)
+PREFILL_BACKEND = "inductor"  # torch.compile backend of the compiled prefill (tests on CPU swap in a cheaper one)
+
+
+def compiled_prefill(fn):
+    """torch.compile a prefill model call with dynamic shapes: one graph serves every prompt length (and, in
+    BatchEngine, every row count and cached length), where fixed-length buckets would pad the arithmetic and cost
+    one compilation per bucket. Every value that varies per call reaches the graph as a tensor, a tensor's size or
+    an int argument (a SymInt under dynamic=True), so Dynamo guards on no per-call Python value. Duck sizing is off
+    while it traces: it would give sizes that happen to be equal in the first call (a prompt as long as the batch,
+    or as the cache's ring) one symbol and recompile when they differ. Left: sizes 0 and 1 are specialised, so a
+    1-token prompt or chunk, and a 1-row prefill call, get graphs of their own."""
+    from torch.fx.experimental import _config as fx_config
+
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True, backend=PREFILL_BACKEND)
+
+    @functools.wraps(fn)
+    def run(*args):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args)
+
+    return run
+
+
+def is_compiled(fn, eager) -> bool:
+    return fn != eager  # bound methods: equal, never identical
 
 
 def decode_step_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -99,14 +125,16 @@ class Decoder:
     `model`: a transformers Gemma4ForCausalLM (or Gemma4ForConditionalGeneration, text only). On CUDA each kind of
     step (greedy; sampling with a top-k candidate size from K_CAPS or the full sort) is captured at its first
     `generate` (`cuda_graph=False` runs it eagerly, as on other devices). With `compile=True` the step is compiled by
-    torch.compile first (fewer, fused kernels; costs compile time). `suppress_tokens`: ids never chosen (as
+    torch.compile first (fewer, fused kernels; costs compile time). `compile_prefill` (default: `compile`) runs the
+    prefill's model call compiled too (`compiled_prefill`: dynamic shapes, one graph for every prompt length; eager,
+    a prefill is launch-bound); a compiler failure leaves the prefill eager, with one warning. `suppress_tokens`: ids never chosen (as
     generate's `suppress_tokens`). `decode_attention=False` keeps the model's own attention implementation in the
     step (for comparison).
     """
 
     def __init__(self, model, batch_size: int = 1, max_length: int = 2048, compile: bool = False,
                  cuda_graph: bool | None = None, sync_every: int = 32, suppress_tokens=None,
-                 decode_attention: bool = True):  # fmt: skip
+                 decode_attention: bool = True, compile_prefill: bool | None = None):  # fmt: skip
         if batch_size < 1 or max_length < 2:
             raise ValueError(f"Decoder: batch_size must be >= 1 and max_length >= 2, got {batch_size}, "
                              f"{max_length}")  # fmt: skip
@@ -137,6 +165,8 @@ class Decoder:
         # no row uses is left out of the graph, as generate leaves it out of its list)
         self.mode = ("greedy",)
         self.step_fn = torch.compile(self._step, fullgraph=True) if compile else self._step
+        self.prefill_fn = compiled_prefill(self._prefill_logits) if (
+            compile if compile_prefill is None else compile_prefill) else self._prefill_logits  # fmt: skip
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns until 5.40)
         params = inspect.signature(type(model).forward).parameters
@@ -247,17 +277,36 @@ class Decoder:
             if bool((pad >= n).any()):
                 raise ValueError("Decoder: a prompt in the batch is all padding")
         self.cache.pad.copy_(pad[:, None])
-        position_ids = (torch.arange(n, device=self.device)[None, :] - pad[:, None]).clamp(min=0)
-        logits = self.model(
-            input_ids=input_ids, attention_mask=self.cache.prefill_masks(n), position_ids=position_ids,
-            use_cache=True, logits_to_keep=1, **{self._cache_kwarg: self.cache},
-        ).logits  # fmt: skip
+        logits = self._run_prefill(input_ids)
         nxt = self._logits_to_next(logits, torch.zeros_like(self.prompt_len))
         self.out[:, :n] = input_ids
         self.out[:, n] = nxt
         self.next_ids.copy_(nxt[:, None])
         self.position.fill_(n)
         self.prompt_len.fill_(n)
+
+    def _prefill_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The prefill's model call (compiled by `compiled_prefill`): the prompt [B, n] from position 0 under the
+        left padding in `cache.pad` -> the last position's logits [B, 1, V]."""
+        n = input_ids.shape[1]  # a SymInt when compiled: the masks and the cache's writes take it from the shape
+        position_ids = (torch.arange(n, device=input_ids.device)[None, :] - self.cache.pad).clamp(min=0)
+        return self.model(
+            input_ids=input_ids, attention_mask=self.cache.prefill_masks(n), position_ids=position_ids,
+            use_cache=True, logits_to_keep=1, **{self._cache_kwarg: self.cache},
+        ).logits  # fmt: skip
+
+    def _run_prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.prefill_fn(input_ids)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: the eager prefill still works
+            if not is_compiled(self.prefill_fn, self._prefill_logits) or isinstance(e, torch.OutOfMemoryError):
+                raise
+            # a compiler error raises while tracing or building, before the graph runs, so the cache is untouched
+            # (and a prefill from position 0 rewrites every slot it reads anyway)
+            logger.warning("g4ops: compiling the prefill failed; prefill runs eagerly (slower): %s: %s",
+                           type(e).__name__, e)  # fmt: skip
+            self.prefill_fn = self._prefill_logits
+            return self.prefill_fn(input_ids)
 
     def _set_sampling(self, do_sample: bool, temperature, top_k, top_p, min_p) -> None:
         """Copy one call's sampling settings (scalars or [B] per row) into the step's buffers; choose the mode."""
