@@ -37,6 +37,8 @@ Parts (`--parts`, comma-separated; default all):
           q/k/v/o/gate/up/down with the base weights frozen, instead of a full finetune (name the `--json` file
           with "lora"). The g4ops rows record `lora_mlp_fallback`: empty when every MLP runs g4ops' fused LoRA
           path (g4ops/lora.py), else why not.
+          `--grad-ckpt`: transformers' gradient checkpointing on every variant (use_reentrant=False); with long
+          `--seqs`, the longest sequence that trains is the longest row without "OOM".
   parity  bf16: stock greedy decode of `--parity-tokens`, then teacher-forced top-1 agreement of g4ops with stock
           over that sequence; g4ops' own greedy decode and its first divergence from stock, with the stock and
           g4ops top-1/top-2 logit margins there. Noise floor: the same bf16 weights cast to fp32 (stock modules) give
@@ -398,6 +400,9 @@ def train_variant(args, variant: str, seq: int, ids: torch.Tensor) -> list[dict]
                 on_flex = variant.endswith("compile") and args.device.startswith("cuda")
                 common["sliding"] = args.sliding if on_flex else "stock"
             common["attention"] = model.config._attn_implementation
+            if args.grad_ckpt:  # before peft wraps it, as a LoRA finetune turns it on
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                common["grad_ckpt"] = True
             if variant == "liger":
                 apply, liger_undo, version = liger_patch()
                 apply(model)
@@ -732,6 +737,9 @@ def parse_args(argv=None):
                          "(g4ops.optim.AdamW); all on one compiled model per variant")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=600, help="timed decode; > 512 crosses the window")
+    ap.add_argument("--grad-ckpt", action="store_true",
+                    help="train: gradient checkpointing on (use_reentrant=False), e.g. for the longest sequence that "
+                         "fits: --seqs 16384,32768,65536 --variants stock,g4ops")
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--parity-tokens", type=int, default=300)
