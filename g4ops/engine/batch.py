@@ -412,13 +412,15 @@ class BatchEngine:
 
     def warmup(self, params=()) -> None:
         """Before start(): capture (with compile=True, compile first) the decode step of every batch bucket for
-        greedy decoding and for the sampling mode each of `params` (SamplingParams) runs in alone. Otherwise each
-        is made the first time a batch needs it, stalling that step (compiling E4B takes tens of seconds)."""
+        greedy decoding and for the sampling mode each of `params` (SamplingParams) runs in alone, and compile the
+        prefill graphs of one row and of several. Otherwise each is made the first time a batch needs it, stalling
+        that step (compiling E4B takes tens of seconds)."""
         with self._lock:
             if self._thread is not None or self._stopping:
                 raise RuntimeError("BatchEngine: warmup() goes before start()")
         modes = {self._mode([])} | {self._mode([_Request(0, [], p, None, frozenset())]) for p in params}
         with torch.no_grad():
+            self._warm_prefill()
             for mode in sorted(modes, key=repr):
                 for b in self.buckets:
                     if self.use_graph:
@@ -526,7 +528,7 @@ class BatchEngine:
             rows = [[r.row for r, _ in batch], [r.prefilled for r, _ in batch], [n for _, n in batch]]
             logits = self._run_prefill(torch.tensor(ids, dtype=torch.long, device=self.device),
                                        torch.tensor(rows, dtype=torch.long, device=self.device),
-                                       max(r.prefilled + n for r, n in batch))  # fmt: skip
+                                       max(r.prefilled + n for r, n in batch), rows[0][0] if len(batch) == 1 else None)
             first = {}
             for i, (req, n) in enumerate(batch):
                 req.prefilled += n
@@ -548,31 +550,40 @@ class BatchEngine:
             self.counter[r] = 1
             self._emit_token(req, token, activate=True)
 
-    def _prefill_logits(self, input_ids: torch.Tensor, rows: torch.Tensor, end: int) -> torch.Tensor:
-        """The prefill call's model call (compiled by decoder.compiled_prefill): input_ids [k, N] left-padded,
-        rows [3, k] (each row's KV row, cached length and chunk length), `end` = max(cached + chunk) -> fp32 logits
-        [k, V] of the last position."""
-        first = None
-        if not is_compiled(self._prefill_fn, self._prefill_logits) and rows.shape[1] == 1:
-            first = int(rows[0, 0])  # eager, one row: buffer views instead of gathers (a graph would specialise on it)
+    def _prefill_logits(self, input_ids: torch.Tensor, rows: torch.Tensor, end: int, first: int | None = None):
+        """The prefill call's model call (compiled by decoder.compiled_prefill, without `first`): input_ids [k, N]
+        left-padded, rows [3, k] (each row's KV row, cached length and chunk length), `end` = max(cached + chunk)
+        -> fp32 logits [k, V] of the last position. `first`: the KV row of a 1-row call, eager only."""
         call = _PrefillCall(self.cache, rows[0], rows[1], rows[2], input_ids.shape[1], end, first)
         return self.model(
             input_ids=input_ids, attention_mask=call.masks(), position_ids=call.position_ids,
             **{self._cache_kw: call}, use_cache=True, logits_to_keep=1,
         ).logits[:, -1].float()  # fmt: skip
 
-    def _run_prefill(self, input_ids: torch.Tensor, rows: torch.Tensor, end: int) -> torch.Tensor:
-        try:
-            return self._prefill_fn(input_ids, rows, end)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager prefill still works
-            if not is_compiled(self._prefill_fn, self._prefill_logits) or isinstance(exc, torch.OutOfMemoryError):
-                raise
-            # a compiler error raises while tracing or building, before the graph runs: the cache is untouched, so
-            # the eager call below reads the ring as it was before this chunk
-            log.warning("BatchEngine: compiling the prefill failed; prefill runs eagerly (slower): %s: %s",
-                        type(exc).__name__, exc)  # fmt: skip
-            self._prefill_fn = self._prefill_logits
-            return self._prefill_fn(input_ids, rows, end)
+    def _warm_prefill(self) -> None:
+        """Compile the prefill graphs of a 1-row call and of a several-row call (dynamic=True specialises size 1)
+        on calls whose tokens are all padding: those write only the scratch slots. Chunks of 1 token still compile
+        their own graphs when they first come."""
+        if not is_compiled(self._prefill_fn, self._prefill_logits):
+            return
+        width = 2  # the smallest size not specialised
+        for k in sorted({1, min(2, self.max_batch)}):
+            meta = torch.tensor([list(range(k)), [0] * k, [0] * k], dtype=torch.long, device=self.device)
+            self._run_prefill(torch.zeros(k, width, dtype=torch.long, device=self.device), meta, width)
+
+    def _run_prefill(self, input_ids: torch.Tensor, rows: torch.Tensor, end: int, first: int | None = None):
+        if is_compiled(self._prefill_fn, self._prefill_logits):
+            try:
+                return self._prefill_fn(input_ids, rows, end)
+            except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager prefill still works
+                if isinstance(exc, torch.OutOfMemoryError):
+                    raise
+                # a compiler error raises while tracing or building, before the graph runs: the cache is untouched,
+                # so the eager call below reads the ring as it was before this chunk
+                log.warning("BatchEngine: compiling the prefill failed; prefill runs eagerly (slower): %s: %s",
+                            type(exc).__name__, exc)  # fmt: skip
+                self._prefill_fn = self._prefill_logits
+        return self._prefill_logits(input_ids, rows, end, first)
 
     @staticmethod
     def _mode(reqs) -> tuple:
