@@ -29,7 +29,11 @@ sampling with some seeded rows (their noise from `seeded_exponential(seed, gener
 do not depend on the batch; the other rows draw from torch's generator). `compile=True` compiles the step's model
 call with torch.compile (the sampler stays eager, so every mode shares it): on an H200, one E4B request (42 layers,
 bf16) took 5.96 ms per token end to end instead of 11.6, and `warmup()` of 7 buckets x 2 modes 168 s instead of
-3.5 s. The host reads the step's tokens back once per step (each token is an event).
+3.5 s. `compile_prefill` (default: `compile`) compiles the prefill call's model call too, with dynamic shapes
+(decoder.compiled_prefill): one graph for every chunk length, cached length and row count, apart from size 1 (a
+1-row call and a 1-token chunk get graphs of their own; `warmup()` compiles the 1-row and several-row ones); a
+compiler failure leaves the prefill eager with one warning. The host reads the step's tokens back once per step
+(each token is an event).
 
 Exactness: in fp32 a greedy request's tokens are its solo run's and stock `generate(do_sample=False)`'s, up to the
 order attention sums over the keys (engine/decoder.py's note), and up to the batched matmuls' rounding for other rows in
@@ -566,7 +570,8 @@ class BatchEngine:
         their own graphs when they first come."""
         if not is_compiled(self._prefill_fn, self._prefill_logits):
             return
-        width = 2  # the smallest size not specialised
+        # a typical chunk (inductor picks kernel configs from the sizes it first sees), and >= 2: not specialised
+        width = max(2, min(256, self.prefill_chunk, self.max_context))
         for k in sorted({1, min(2, self.max_batch)}):
             meta = torch.tensor([list(range(k)), [0] * k, [0] * k], dtype=torch.long, device=self.device)
             self._run_prefill(torch.zeros(k, width, dtype=torch.long, device=self.device), meta, width)

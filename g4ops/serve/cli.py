@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the decode step before capturing it: faster steps, minutes of warm-up "
                              "(default: on for CUDA, off on a CPU, where the step runs eagerly)")
+    parser.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the prefill's model call (dynamic shapes: a few graphs for every prompt "
+                             "length) (default: as --compile)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--graceful-timeout", type=float, default=10.0,
@@ -99,7 +102,8 @@ def run(args) -> int:
         device = next(model.parameters()).device
         engine = BatchEngine(model, max_batch=args.max_batch, max_context=args.max_context,
                              max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
-                             compile=args.compile if args.compile is not None else device.type == "cuda")
+                             compile=args.compile if args.compile is not None else device.type == "cuda",
+                             compile_prefill=args.compile_prefill)  # fmt: skip
     # capture every batch bucket's step now, for greedy and for the checkpoint's sampling, seeded or not: else the
     # first batch of each size stalls while its graph is made
     sampled = SamplingParams(max_new_tokens=1, temperature=defaults.temperature, top_k=defaults.top_k,
