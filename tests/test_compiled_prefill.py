@@ -61,10 +61,13 @@ def _ids(model, batch, length, seed):
     return torch.randint(3, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _stock(model, ids, mask=None):
+def _stock(model, ids, mask=None, eos=True):
+    """Stock greedy search, NEW tokens: the model's EOS held back by min_new_tokens (the Decoder suppresses it), or
+    with `eos=False` no EOS at all (a BatchEngine request without stop tokens goes on past one)."""
     from transformers import GenerationConfig
 
-    cfg = GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    cfg = GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                           **({} if eos else {"eos_token_id": None}))  # fmt: skip
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, generation_config=cfg)
 
@@ -85,7 +88,7 @@ def test_decoder_compiled_prefill_equals_eager_and_stock(model, backend):
     compiled = Decoder(model, batch_size=3, max_length=48, suppress_tokens=[1], compile_prefill=True)
     assert compiled.prefill_fn != compiled._prefill_logits
     # below, at and past the window of 8; left-padded rows whose padding crosses the window
-    cases = [(_ids(model, 3, n, n), None) for n in (5, 8, 13, 21)]
+    cases = [(_ids(model, 3, n, n), None) for n in (5, 8, 13, 21, 1)]  # 1: the cache's one-token path
     cases += [_left_padded(model, (3, 0, 9), 12, 1), _left_padded(model, (0, 6, 2), 17, 2)]
     for ids, mask in cases:
         eager.prefill(ids, mask)
@@ -97,8 +100,9 @@ def test_decoder_compiled_prefill_equals_eager_and_stock(model, backend):
         out = compiled.generate(ids, NEW, attention_mask=mask)
         assert torch.equal(out, eager.generate(ids, NEW, attention_mask=mask))
         assert torch.equal(out, _stock(model, ids, mask))
-    # six prompt lengths and paddings, one graph: the length reaches it as a size, never a specialised int
-    assert backend.graphs == 1
+    # seven prompt lengths and paddings, two graphs: the length reaches the graph as a size, never a specialised
+    # int, and only the 1-token prompt (size 1, specialised) has its own
+    assert backend.graphs == 2
 
 
 def _prompt(length, seed):
@@ -150,6 +154,8 @@ def test_batch_engine_compiled_prefill_16_concurrent_requests(model, backend):
         solo = _serve(BatchEngine(model, max_batch=1, max_context=64, prefill_chunk=24), [prompt])[0]
         assert outs[True][i].tokens == outs[False][i].tokens == solo.tokens, lengths[i]
         assert len(solo.tokens) == NEW
+        if lengths[i] in (1, 40):  # a 1-token prompt (N = end = 1) and two chunks of one past the window
+            assert solo.tokens == _stock(model, torch.tensor([prompt]), eos=False)[0, lengths[i] :].tolist()
     for i in engines[False].cache.keys:  # every row's slots (scratch aside) after the same schedule
         for buffers in ("keys", "values"):
             ref = getattr(engines[False].cache, buffers)[i][:, :, :-1]

@@ -290,8 +290,13 @@ class Decoder:
         left padding in `cache.pad` -> the last position's logits [B, 1, V]."""
         n = input_ids.shape[1]  # a SymInt when compiled: the masks and the cache's writes take it from the shape
         position_ids = (torch.arange(n, device=input_ids.device)[None, :] - self.cache.pad).clamp(min=0)
+        if n == 1:  # the cache takes one token as a decode step (a write at `position`): that step at position 0
+            self.position.zero_()
+            masks = self.cache.decode_masks()
+        else:
+            masks = self.cache.prefill_masks(n)
         return self.model(
-            input_ids=input_ids, attention_mask=self.cache.prefill_masks(n), position_ids=position_ids,
+            input_ids=input_ids, attention_mask=masks, position_ids=position_ids,
             use_cache=True, logits_to_keep=1, **{self._cache_kwarg: self.cache},
         ).logits  # fmt: skip
 
