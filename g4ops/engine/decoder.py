@@ -126,9 +126,9 @@ class Decoder:
     step (greedy; sampling with a top-k candidate size from K_CAPS or the full sort) is captured at its first
     `generate` (`cuda_graph=False` runs it eagerly, as on other devices). With `compile=True` the step is compiled by
     torch.compile first (fewer, fused kernels; costs compile time). `compile_prefill` (default: `compile`) runs the
-    prefill's model call compiled too (`compiled_prefill`: dynamic shapes, one graph for every prompt length; eager,
-    a prefill is launch-bound); a compiler failure leaves the prefill eager, with one warning. `suppress_tokens`: ids never chosen (as
-    generate's `suppress_tokens`). `decode_attention=False` keeps the model's own attention implementation in the
+    prefill's model call compiled too (`compiled_prefill`: dynamic shapes, one graph for every prompt length but 1;
+    eager, a prefill is launch-bound); a compiler failure leaves the prefill eager, with one warning.
+    `suppress_tokens`: ids never chosen (as generate's `suppress_tokens`). `decode_attention=False` keeps the model's own attention implementation in the
     step (for comparison).
     """
 
