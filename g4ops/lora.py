@@ -427,11 +427,11 @@ for _name in ("lora_geglu_mlp_forward", "lora_geglu_mlp_backward"):
 
 
 @torch._dynamo.nonstrict_trace
-def _check_traced(*args):
+def _check_traced(x, *args):
     """The op's input checks, once per trace on its fake tensors: Dynamo refuses (a graph break) torch._check
     messages that close over tensors; a non-strict call runs them as Python and leaves no node in the graph."""
-    _check_adapters("lora_geglu_mlp", *args)
-    return []  # nonstrict_trace refuses None
+    _check_adapters("lora_geglu_mlp", x, *args)
+    return x.new_empty(0)  # unused (dead code to the compiler): nonstrict_trace refuses None
 
 
 def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), down_adapters=()) -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""g4ops' fused LoRA MLP inside an outer torch.compile (g4ops/lora.py, "Inside torch.compile"): the trace holds the
-math, not the opaque op `g4ops::lora_geglu_mlp` (issue 18: the op made a compiled training step host-bound), with
-no graph break; loss and adapter gradients equal stock peft's; frozen base weights get no gradient; dropout, merged
-and disabled adapters behave as in eager mode.
+"""g4ops' fused LoRA MLP inside an outer torch.compile (g4ops/lora.py's docstring, "Inside an outer
+torch.compile"): the trace holds the math, not the opaque op `g4ops::lora_geglu_mlp` (issue 18: the op made a
+compiled training step host-bound), with no graph break; loss and adapter gradients equal stock peft's; frozen base
+weights get no gradient; dropout, merged and disabled adapters behave as in eager mode.
 
 aot_eager runs the traced graph on ATen's eager kernels (same generator calls as eager: seeded dropout compares
 mask for mask); one test compiles through Inductor. The holder MLP and helpers are tests/test_lora.py's.
@@ -19,16 +19,15 @@ from g4ops.models import build_model
 try:
     from . import oracle as O
     from .devices import DEVICES, one_intra_op_thread  # noqa: F401 - an autouse fixture of this module
-    from .test_lora import F32, INTER, TOKENS, _add_second_adapter, _always_disabled, _fp32_tol, _inputs, _mlp_model
-    from .test_lora import _run
+    from .test_lora import F32, HIDDEN, INTER, TOKENS, _add_second_adapter, _fp32_tol, _inputs, _mlp_model, _nothing
+    from .test_lora import _always_disabled, _run  # noqa: F401 - _always_disabled: autouse, g4ops off around each test
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import oracle as O
     from devices import DEVICES, one_intra_op_thread  # noqa: F401 - an autouse fixture of this module
-    from test_lora import F32, INTER, TOKENS, _add_second_adapter, _always_disabled, _fp32_tol, _inputs, _mlp_model
-    from test_lora import _run
+    from test_lora import F32, HIDDEN, INTER, TOKENS, _add_second_adapter, _fp32_tol, _inputs, _mlp_model, _nothing
+    from test_lora import _always_disabled, _run  # noqa: F401 - _always_disabled: autouse, g4ops off around each test
 
 peft = pytest.importorskip("peft")
-assert _always_disabled  # the autouse fixture: g4ops disabled around each test, its probe run before
 
 LORA_OPS = ("lora_geglu_mlp", "lora_geglu_mlp_forward", "lora_geglu_mlp_backward")
 
@@ -69,16 +68,16 @@ def _compiled_run(model, x, grad_out, backend):
     return out.detach(), x.grad, grads
 
 
-def _assert_close_to(stock, ours, weights=False):
+def _assert_close_to(stock, ours, weights=False, reductions=TOKENS[0] * TOKENS[1]):
     """Up to fp32 reassociation (a compiled graph may order sums differently, as on CUDA); `weights`: the base
-    weights train too."""
+    weights train too; `reductions`: the tokens each weight gradient sums over."""
     (o0, x0, g0), (o1, x1, g1) = stock[:3], ours[:3]
     assert O.rel_err(o1, o0) <= _fp32_tol(INTER)
     assert O.rel_err(x1, x0) <= _fp32_tol(INTER)
     assert g0.keys() == g1.keys() and g0 and weights != all("lora_" in n for n in g0)
     for name in g0:
         assert g1[name] is not None, name
-        assert O.rel_err(g1[name], g0[name]) <= _fp32_tol(TOKENS[0] * TOKENS[1]), name
+        assert O.rel_err(g1[name], g0[name]) <= _fp32_tol(reductions), name
 
 
 def _calls(targets, *ops) -> set[str]:
@@ -151,14 +150,6 @@ def test_compiled_merged_and_disabled_adapters_run_the_base_weights(device, fres
         assert not _calls(targets, *LORA_OPS), (state, sorted(targets))
         assert bool(_calls(targets, "geglu_mlp")) == (state != "unmerged"), (state, sorted(targets))
         assert O.rel_err(out, stock) <= _fp32_tol(INTER), state
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_compiled_backward_computes_no_full_weight_gradient(fresh_dynamo):
@@ -260,3 +251,49 @@ def test_bad_input_is_refused_at_trace_time(fresh_dynamo):
         exc = exc.__cause__ or exc.__context__
     expected = f"`lora_b[0]` must be [{INTER}, {a.shape[0]}] ([out, r] of `lora_a[0]`), got [{INTER}, 2]"
     assert any(type(e) is RuntimeError and expected in str(e) for e in causes), causes
+
+
+def test_compiled_mlp_at_a_second_length_recompiles_dynamic_and_matches_peft(fresh_dynamo):
+    """A new sequence length makes Dynamo recompile with symbolic shapes: the trace-time checks and the mask draws
+    then see symbolic sizes; the traced path still runs and matches peft."""
+    model = _mlp_model(lora_dropout=0.2).train()
+    recorder = _Recorder()
+    for tokens, seed in ((TOKENS, 1), ((TOKENS[0], TOKENS[1] + 4), 2), ((TOKENS[0], TOKENS[1] + 9), 3)):
+        gen = torch.Generator().manual_seed(seed)
+        x = O.make_tensor((*tokens, HIDDEN), F32, gen)
+        grad_out = O.make_tensor(x.shape, F32, gen)
+        torch.manual_seed(seed)
+        stock = _run(model, x, grad_out, enabled=False)
+        torch.manual_seed(seed)
+        ours = _compiled_run(model, x, grad_out, recorder)
+        _assert_close_to(stock, ours, reductions=x.shape[:-1].numel())
+    recorder.assert_traced_math()
+    assert len(recorder.graphs) == 2  # the static first trace, then one dynamic one for every other length
+
+
+@pytest.mark.slow  # two Inductor compilations of a training step (about 40 s on 2 cores)
+def test_inductor_dropout_draws_the_masks_of_compiled_peft(fresh_dynamo):
+    """Under Inductor the masks come from its generator, not ATen's (module docstring): a seeded compiled step
+    then equals seeded compiled stock peft, not eager peft."""
+    model = _add_second_adapter(_mlp_model(lora_dropout=0.3)).train()
+    model.base_model.set_adapter(["default", "second"])
+    x, grad_out = _inputs("cpu", F32)
+
+    def compiled_step(enabled):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="inductor", fullgraph=True)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        with g4ops.enable() if enabled else _nothing():
+            out = compiled(x)
+            out.backward(grad_out)
+        return out.detach(), None, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    torch.manual_seed(5)
+    eager = _run(model, x, grad_out, enabled=False)
+    stock = compiled_step(False)
+    ours = compiled_step(True)
+    assert O.rel_err(stock[0], eager[0]) > 1e-3  # Inductor's masks are not eager mode's
+    assert O.rel_err(ours[0], stock[0]) <= _fp32_tol(INTER)
+    for name, g in stock[2].items():
+        assert O.rel_err(ours[2][name], g) <= _fp32_tol(TOKENS[0] * TOKENS[1]), name
