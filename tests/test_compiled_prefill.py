@@ -95,8 +95,8 @@ def test_decoder_compiled_prefill_equals_eager_and_stock(model, backend):
         compiled.prefill(ids, mask)
         assert torch.equal(compiled.next_ids, eager.next_ids)
         for i, (k, v) in _cache_state(eager).items():  # the whole cache: stale slots of earlier prompts too
-            torch.testing.assert_close(compiled.cache.keys[i], k, rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(compiled.cache.values[i], v, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(compiled.cache.keys[i], k)  # fp32's tolerances
+            torch.testing.assert_close(compiled.cache.values[i], v)
         out = compiled.generate(ids, NEW, attention_mask=mask)
         assert torch.equal(out, eager.generate(ids, NEW, attention_mask=mask))
         assert torch.equal(out, _stock(model, ids, mask))
@@ -156,16 +156,17 @@ def test_batch_engine_compiled_prefill_16_concurrent_requests(model, backend):
         assert len(solo.tokens) == NEW
         if lengths[i] in (1, 40):  # a 1-token prompt (N = end = 1) and two chunks of one past the window
             assert solo.tokens == _stock(model, torch.tensor([prompt]), eos=False)[0, lengths[i] :].tolist()
-    for i in engines[False].cache.keys:  # every row's slots (scratch aside) after the same schedule
+    # every row's slots (scratch aside) after the same schedule, to fp32's tolerances: a 1-token chunk padded to 2
+    # may take another matmul kernel
+    for i in engines[False].cache.keys:
         for buffers in ("keys", "values"):
             ref = getattr(engines[False].cache, buffers)[i][:, :, :-1]
-            torch.testing.assert_close(getattr(engines[True].cache, buffers)[i][:, :, :-1], ref, rtol=1e-6, atol=1e-6)
-    # many shapes, few graphs: one per combination of {1 row, several} x {1-token chunk, longer} that occurred,
-    # and one more where a 1-token prompt makes end == 1 too
+            torch.testing.assert_close(getattr(engines[True].cache, buffers)[i][:, :, :-1], ref)
+    # many shapes (1-token chunks and prompts among them), two graphs, both compiled by warmup(): one row, several
     shapes = set(calls)
-    kinds = {(k == 1, n == 1, end == 1) for k, n, end in shapes}
-    assert len(shapes) >= 8 and len(kinds) >= 3, shapes
-    assert backend.graphs == len(kinds | {(True, False, False), (False, False, False)}), (backend.graphs, shapes)
+    assert len(shapes) >= 8 and {k == 1 for k, _, _ in shapes} == {True, False}, shapes
+    assert min(n for _, n, _ in shapes) == min(end for _, _, end in shapes) == 2  # 1s padded, never specialised
+    assert backend.graphs == 2, (backend.graphs, sorted(shapes))
 
 
 @pytest.mark.slow  # 30-40 s on a shared 2-core CPU: AOTAutograd traces the model twice

@@ -30,8 +30,8 @@ do not depend on the batch; the other rows draw from torch's generator). `compil
 call with torch.compile (the sampler stays eager, so every mode shares it): on an H200, one E4B request (42 layers,
 bf16) took 5.96 ms per token end to end instead of 11.6, and `warmup()` of 7 buckets x 2 modes 168 s instead of
 3.5 s. `compile_prefill` (default: `compile`) compiles the prefill call's model call too, with dynamic shapes
-(decoder.compiled_prefill): one graph for every chunk length, cached length and row count, apart from size 1 (a
-1-row call and a 1-token chunk get graphs of their own; `warmup()` compiles the 1-row and several-row ones); a
+(decoder.compiled_prefill): two graphs for every chunk length and cached length, one for calls of one row and one
+for several (dynamic=True specialises size 1; a 1-token chunk is padded to 2), both compiled by `warmup()`; a
 compiler failure leaves the prefill eager with one warning. The host reads the step's tokens back once per step
 (each token is an event).
 
@@ -64,6 +64,7 @@ __all__ = ["BatchEngine", "EngineStats", "QueueFull", "SamplingParams", "SlotKVC
 log = logging.getLogger(__name__)
 
 _SEED_LIMIT = 2**63  # seeds live in an int64 device tensor
+_MIN_COMPILED_SIZE = 2  # the compiled prefill's chunk length and `end` are never 1 (each 1 would compile a graph)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -527,12 +528,17 @@ class BatchEngine:
                 break
             batch.append((req, n))
             width = max(width, n)
+        end = max(r.prefilled + n for r, n in batch)
+        if is_compiled(self._prefill_fn, self._prefill_logits):
+            # a size of 1 would compile a graph of its own (dynamic=True specialises it): a 1-token chunk gets one
+            # more padding token (it writes to scratch), end = 1 reads one more, masked, slot
+            width, end = max(width, _MIN_COMPILED_SIZE), max(end, _MIN_COMPILED_SIZE)
         try:
             ids = [[0] * (width - n) + req.prompt[req.prefilled : req.prefilled + n] for req, n in batch]
             rows = [[r.row for r, _ in batch], [r.prefilled for r, _ in batch], [n for _, n in batch]]
             logits = self._run_prefill(torch.tensor(ids, dtype=torch.long, device=self.device),
-                                       torch.tensor(rows, dtype=torch.long, device=self.device),
-                                       max(r.prefilled + n for r, n in batch), rows[0][0] if len(batch) == 1 else None)
+                                       torch.tensor(rows, dtype=torch.long, device=self.device), end,
+                                       rows[0][0] if len(batch) == 1 else None)  # fmt: skip
             first = {}
             for i, (req, n) in enumerate(batch):
                 req.prefilled += n
@@ -565,13 +571,13 @@ class BatchEngine:
         ).logits[:, -1].float()  # fmt: skip
 
     def _warm_prefill(self) -> None:
-        """Compile the prefill graphs of a 1-row call and of a several-row call (dynamic=True specialises size 1)
-        on calls whose tokens are all padding: those write only the scratch slots. Chunks of 1 token still compile
-        their own graphs when they first come."""
+        """Compile the prefill graphs of a 1-row call and of a several-row call (dynamic=True specialises size 1;
+        chunk lengths and `end` are kept >= 2), on calls whose tokens are all padding: those write only the
+        scratch slots. These are every graph the compiled prefill needs."""
         if not is_compiled(self._prefill_fn, self._prefill_logits):
             return
-        # a typical chunk (inductor picks kernel configs from the sizes it first sees), and >= 2: not specialised
-        width = max(2, min(256, self.prefill_chunk, self.max_context))
+        # a typical chunk: inductor picks kernel configs from the sizes it first sees
+        width = max(_MIN_COMPILED_SIZE, min(256, self.prefill_chunk, self.max_context))
         for k in sorted({1, min(2, self.max_batch)}):
             meta = torch.tensor([list(range(k)), [0] * k, [0] * k], dtype=torch.long, device=self.device)
             self._run_prefill(torch.zeros(k, width, dtype=torch.long, device=self.device), meta, width)
