@@ -214,8 +214,8 @@ class _PrefillCall(_CacheCall):
 
     def __init__(self, cache: SlotKVCache, rows: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, n, end,
                  first: int | None = None):  # fmt: skip
-        """rows, start, lens: [k] int64 device tensors; n: the padded length N; end: max(start + lens). Compiled
-        (BatchEngine's compiled prefill), n and end are the sizes of tensors, never Python ints a graph would
+        """rows, start, lens: [k] int64 device tensors; n: the padded length N; end: max(start + lens). In the
+        compiled prefill n is input_ids' size and end an int argument, both SymInts, never values a graph would
         specialise on. `first`: the one row's index when k == 1 (eager only): views of the buffers, no gathers."""
         self.cache = cache
         dev = rows.device

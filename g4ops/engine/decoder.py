@@ -55,8 +55,9 @@ def compiled_prefill(fn):
     one compilation per bucket. Every value that varies per call reaches the graph as a tensor, a tensor's size or
     an int argument (a SymInt under dynamic=True), so Dynamo guards on no per-call Python value. Duck sizing is off
     while it traces: it would give sizes that happen to be equal in the first call (a prompt as long as the batch,
-    or as the cache's ring) one symbol and recompile when they differ. Left: sizes 0 and 1 are specialised, so a
-    1-token prompt or chunk, and a 1-row prefill call, get graphs of their own."""
+    or as the cache's ring) one symbol and recompile when they differ. Left: sizes 0 and 1 are specialised, so the
+    Decoder's 1-token prompts get a graph of their own, and BatchEngine compiles one graph for 1-row calls and one
+    for several (it pads 1-token chunks to 2)."""
     from torch.fx.experimental import _config as fx_config
 
     compiled = torch.compile(fn, dynamic=True, fullgraph=True, backend=PREFILL_BACKEND)
@@ -128,8 +129,8 @@ class Decoder:
     torch.compile first (fewer, fused kernels; costs compile time). `compile_prefill` (default: `compile`) runs the
     prefill's model call compiled too (`compiled_prefill`: dynamic shapes, one graph for every prompt length but 1;
     eager, a prefill is launch-bound); a compiler failure leaves the prefill eager, with one warning.
-    `suppress_tokens`: ids never chosen (as generate's `suppress_tokens`). `decode_attention=False` keeps the model's own attention implementation in the
-    step (for comparison).
+    `suppress_tokens`: ids never chosen (as generate's `suppress_tokens`). `decode_attention=False` keeps the
+    model's own attention implementation in the step (for comparison).
     """
 
     def __init__(self, model, batch_size: int = 1, max_length: int = 2048, compile: bool = False,
