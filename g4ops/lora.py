@@ -50,6 +50,10 @@ bf16 MLP with fp32 adapters it kept fp32 copies of x and h, as peft's autograd d
 from the trace of the same `native_dropout` calls, so from the backend's generator: aot_eager runs ATen's (a seeded
 step draws peft's masks), Inductor its own (the masks compiled stock peft draws with the same seed, not eager mode's,
 unless `torch._inductor.config.fallback_random`).
+That traced path is on where it was tested: torch >= 2.13 (CPU, 2026-12-01). On the H200's torch 2.11 three of
+tests/test_lora_compile.py's CUDA tests failed with it (2026-12-01; the failures' text was cut off with the device
+time, so the cause is not known), so there a compiled model keeps calling the op (tested on CUDA, the 9666 tok/s
+above). `G4OPS_LORA_TRACE=1` turns the traced path on anyway (to test it), `=0` off.
 
 Not implemented, so peft's own forward runs and `geglu_mlp` below says why once at INFO on the "g4ops" logger:
 LoRA variants (DoRA, aLoRA, ... anything in peft's `lora_variant`), `lora_bias`, a dropout module other than a
@@ -73,6 +77,7 @@ from torch import nn
 from . import ops, reference
 from ._build import ensure_cuda_kernels, status
 from ._fused import run_compiled
+from ._torch_version import torch_version
 
 logger = logging.getLogger("g4ops")
 
@@ -286,6 +291,8 @@ def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lo
 # G4OPS_LORA_COMPILE=0 keeps the CUDA kernels eager, =1 compiles on every device (a CPU test uses that); a failed
 # compilation warns once and runs eagerly from then on.
 _LORA_COMPILE = os.environ.get("G4OPS_LORA_COMPILE")
+# whether an outer torch.compile traces the math instead of calling the op (module docstring: tested torch only)
+TRACE_UNDER_COMPILE = {"1": True, "0": False}.get(os.environ.get("G4OPS_LORA_TRACE", ""), torch_version() >= (2, 13))
 _compiled: dict = {}
 _compile_failed: list = []
 
@@ -449,7 +456,7 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
     scaling, counts = [float(e[2]) for e in entries], [len(g) for g in groups]
     dropout = [float(e[3]) if len(e) == 5 else 0.0 for e in entries]
     masks = [e[4] for e, p in zip(entries, dropout) if p != 0.0]
-    if not torch.compiler.is_compiling():
+    if not (TRACE_UNDER_COMPILE and torch.compiler.is_compiling()):
         return torch.ops.g4ops.lora_geglu_mlp(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks)
     # inside an outer compile: the math into its graph, no per-call host cost (module docstring)
     _check_traced(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks)

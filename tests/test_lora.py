@@ -411,7 +411,11 @@ def test_bad_input_names_the_argument():
 
 def _assert_traced_not_opaque(graphs):
     """Inside a compiled trace the LoRA MLP is its math in the graph (an autograd.Function), not the opaque op
-    (tests/test_lora_compile.py checks this node by node)."""
+    (tests/test_lora_compile.py checks this node by node); on a torch where that path is off (lora.py's docstring),
+    the op."""
+    if not lora.TRACE_UNDER_COMPILE:
+        assert any("lora_geglu_mlp" in g.code for g in graphs)
+        return
     assert not any("lora_geglu_mlp" in g.code for g in graphs)
     assert any("autograd_function_apply" in g.code for g in graphs)
 
