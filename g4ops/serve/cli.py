@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch.compile the decode step before capturing it: faster steps, minutes of warm-up "
                              "(default: on for CUDA, off on a CPU, where the step runs eagerly)")
     parser.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the prefill's model call (dynamic shapes: a few graphs for every prompt "
-                             "length) (default: as --compile)")
+                        help="torch.compile the prefill's model call (dynamic shapes: two graphs, for 1-row and "
+                             "several-row calls of any prompt length, compiled at start-up) (default: as --compile)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--graceful-timeout", type=float, default=10.0,
