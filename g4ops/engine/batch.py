@@ -29,7 +29,8 @@ sampling with some seeded rows (their noise from `seeded_exponential(seed, gener
 do not depend on the batch; the other rows draw from torch's generator). `compile=True` compiles the step's model
 call with torch.compile (the sampler stays eager, so every mode shares it): on an H200, one E4B request (42 layers,
 bf16) took 5.96 ms per token end to end instead of 11.6, and `warmup()` of 7 buckets x 2 modes 168 s instead of
-3.5 s. `compile_prefill` (default: `compile`) compiles the prefill call's model call too, with dynamic shapes
+3.5 s. `compile_prefill=True` (off by default, as the Decoder's: its GPU
+first-call time is not measured yet) compiles the prefill call's model call too, with dynamic shapes
 (decoder.compiled_prefill): two graphs for every chunk length and cached length, one for calls of one row and one
 for several (dynamic=True specialises size 1; a 1-token chunk is padded to 2), both compiled by `warmup()`; a
 compiler failure leaves the prefill eager with one warning. The host reads the step's tokens back once per step
@@ -309,7 +310,7 @@ class BatchEngine:
 
     def __init__(self, model, max_batch: int = 16, max_context: int = 2048, max_waiting: int = 256,
                  prefill_chunk: int = 256, cuda_graph: bool | None = None, compile: bool = False,
-                 compile_prefill: bool | None = None):  # fmt: skip
+                 compile_prefill: bool = False):  # fmt: skip
         for name, value, low in (("max_batch", max_batch, 1), ("max_context", max_context, 2),
                                  ("max_waiting", max_waiting, 0), ("prefill_chunk", prefill_chunk, 1)):  # fmt: skip
             if not _is_int(value) or value < low:
@@ -347,10 +348,9 @@ class BatchEngine:
         self.buckets = _buckets(max_batch)
         # compile=True compiles the step's model call, not the sampler, so the sampling modes share the compilation
         self._logits_fn = torch.compile(self._logits, fullgraph=True) if compile else self._logits
-        # compile_prefill (default: compile): the prefill's model call compiled with dynamic shapes, one graph for
+        # compile_prefill: the prefill's model call compiled with dynamic shapes, one graph for
         # every chunk length, row count and cached length (decoder.compiled_prefill)
-        self._prefill_fn = compiled_prefill(self._prefill_logits) if (
-            compile if compile_prefill is None else compile_prefill) else self._prefill_logits  # fmt: skip
+        self._prefill_fn = compiled_prefill(self._prefill_logits) if compile_prefill else self._prefill_logits
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (bucket, mode) -> captured step
         self._pool = None  # one memory pool for every captured step (they never run at the same time)
 

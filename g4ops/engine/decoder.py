@@ -126,16 +126,19 @@ class Decoder:
     `model`: a transformers Gemma4ForCausalLM (or Gemma4ForConditionalGeneration, text only). On CUDA each kind of
     step (greedy; sampling with a top-k candidate size from K_CAPS or the full sort) is captured at its first
     `generate` (`cuda_graph=False` runs it eagerly, as on other devices). With `compile=True` the step is compiled by
-    torch.compile first (fewer, fused kernels; costs compile time). `compile_prefill` (default: `compile`) runs the
+    torch.compile first (fewer, fused kernels; costs compile time). `compile_prefill=True` runs the
     prefill's model call compiled too (`compiled_prefill`: dynamic shapes, one graph for every prompt length but 1;
-    eager, a prefill is launch-bound); a compiler failure leaves the prefill eager, with one warning.
+    eager, a prefill is launch-bound); a compiler failure leaves the prefill eager, with one warning. Off by default:
+    on the H200 (2026-12-01, torch 2.11) a routed sampled `generate` with it on printed nothing in about 170 s, where
+    its first call took 48.8 s with the prefill eager (bench/results/2026-12-01-h200-session11.md); its speed and
+    first-call time are not measured yet.
     `suppress_tokens`: ids never chosen (as generate's `suppress_tokens`). `decode_attention=False` keeps the
     model's own attention implementation in the step (for comparison).
     """
 
     def __init__(self, model, batch_size: int = 1, max_length: int = 2048, compile: bool = False,
                  cuda_graph: bool | None = None, sync_every: int = 32, suppress_tokens=None,
-                 decode_attention: bool = True, compile_prefill: bool | None = None):  # fmt: skip
+                 decode_attention: bool = True, compile_prefill: bool = False):  # fmt: skip
         if batch_size < 1 or max_length < 2:
             raise ValueError(f"Decoder: batch_size must be >= 1 and max_length >= 2, got {batch_size}, "
                              f"{max_length}")  # fmt: skip
@@ -166,8 +169,7 @@ class Decoder:
         # no row uses is left out of the graph, as generate leaves it out of its list)
         self.mode = ("greedy",)
         self.step_fn = torch.compile(self._step, fullgraph=True) if compile else self._step
-        self.prefill_fn = compiled_prefill(self._prefill_logits) if (
-            compile if compile_prefill is None else compile_prefill) else self._prefill_logits  # fmt: skip
+        self.prefill_fn = compiled_prefill(self._prefill_logits) if compile_prefill else self._prefill_logits
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns until 5.40)
         params = inspect.signature(type(model).forward).parameters

@@ -39,9 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the decode step before capturing it: faster steps, minutes of warm-up "
                              "(default: on for CUDA, off on a CPU, where the step runs eagerly)")
-    parser.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
+    parser.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=False,
                         help="torch.compile the prefill's model call (dynamic shapes: two graphs, for 1-row and "
-                             "several-row calls of any prompt length, compiled at start-up) (default: as --compile)")
+                             "several-row calls of any prompt length, compiled at start-up) (default: off; its GPU "
+                             "start-up time is not measured yet)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--graceful-timeout", type=float, default=10.0,
