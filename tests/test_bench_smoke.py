@@ -170,6 +170,15 @@ def test_adamw_bench_smoke(tmp_path):
     assert res["check"]["param"]["max_ulp"] <= 1 and res["model"]["parameters"] > 0
 
 
+def test_lora_grad_error_smoke(tmp_path):
+    """The diagnosis script of the CUDA LoRA gradient defect runs; on CPU (ATen's reference kernels) the norm patch
+    stays within a few percent of stock's error."""
+    proc = _run(["bench/lora_grad_error.py", "--device", "cpu", "--keep", "norm", "--targets", "q_proj,gate_proj"],
+                tmp_path)  # fmt: skip
+    ratios = [float(line.split()[1]) for line in proc.stdout.splitlines() if line.strip().startswith("g4ops/stock")]
+    assert len(ratios) == 5 and max(ratios) < 1.1, proc.stdout
+
+
 def test_serve_smoke(tmp_path):
     """bench/serve.py saves a tiny checkpoint, launches `python -m g4ops serve` and then stock `transformers serve`
     on it (CPU), loads each at two concurrencies with the same text prompts, checks every request's token count (and

@@ -1,0 +1,77 @@
+"""Which g4ops patch makes a LoRA model's fp32 gradients further from fp64 than stock's (issue 15's open CUDA defect).
+
+    python bench/lora_grad_error.py                                   # every patch, LoRA on all seven projections
+    python bench/lora_grad_error.py --keep norm --targets q_proj,k_proj,v_proj,o_proj
+    python bench/lora_grad_error.py --device cpu
+
+The tiny-e4b model with peft LoRA (r=4, `init_lora_weights=False`), one forward and backward of 2 x 21 tokens in
+fp32: stock peft, then with `g4ops.enable()` patching only the classes in `--keep` (norm: Gemma4RMSNorm, layer:
+Gemma4TextDecoderLayer, mlp: Gemma4TextMLP, emb: the scaled embedding, loss: the causal-LM classes), each against
+an fp64 run of stock peft on the same weights. Prints the five adapter gradients with the largest g4ops/stock error
+ratio and the mean errors. H200, 2026-12-01: 5.4 with `--keep norm`, 1.0-1.5 for each other class
+(bench/results/2026-12-01-h200-session11.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import pathlib
+import sys
+
+import torch
+
+import g4ops
+import g4ops.integration as integration
+from g4ops.models import build_model
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+import oracle as O  # noqa: E402 - tests/oracle.py: rel_err
+
+ALL_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+PATCH_NAMES = {"Gemma4RMSNorm": "norm", "Gemma4TextMLP": "mlp", "Gemma4TextDecoderLayer": "layer",
+               "Gemma4TextScaledWordEmbedding": "emb"}  # fmt: skip
+
+
+def only_patches(keep: set[str]):
+    """Make enable() patch only the classes named in `keep` (anything not in PATCH_NAMES counts as "loss")."""
+    table = integration._patch_table
+    integration._patch_table = lambda: {c: f for c, f in table().items() if PATCH_NAMES.get(c.__name__, "loss") in keep}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--targets", default=ALL_TARGETS, help="peft target_modules, comma-separated")
+    ap.add_argument("--keep", default="norm,layer,mlp,emb,loss", help="the g4ops patches to keep, comma-separated")
+    args = ap.parse_args(argv)
+    import peft
+
+    only_patches(set(args.keep.split(",")))
+    torch.manual_seed(0)
+    base = build_model("tiny-e4b").to(args.device)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=args.targets.split(","), init_lora_weights=False)
+    model = peft.get_peft_model(base, config).train()
+    ids = torch.randint(3, base.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(args.device)
+    exact = copy.deepcopy(model).to(torch.float64)
+    exact(ids, labels=ids).loss.backward()
+    grads64 = {n: p.grad for n, p in exact.named_parameters() if p.requires_grad}
+
+    def grads(enabled: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with g4ops.enable() if enabled else torch.enable_grad():
+            model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    stock, ours = grads(False), grads(True)
+    rows = sorted(((O.rel_err(ours[n], grads64[n]), O.rel_err(stock[n], grads64[n]), n) for n in stock),
+                  key=lambda r: r[0] / max(r[1], 1e-30), reverse=True)  # fmt: skip
+    print(f"device {args.device}, patches {args.keep}, LoRA on {args.targets}")
+    for mine, theirs, name in rows[:5]:
+        print(f"  g4ops/stock {mine / theirs:5.2f}  g4ops {mine:.3e}  stock {theirs:.3e}  {name}")
+    print(f"  mean error: g4ops {sum(r[0] for r in rows) / len(rows):.3e}, stock {sum(r[1] for r in rows) / len(rows):.3e}")
+
+
+if __name__ == "__main__":
+    main()
