@@ -1,7 +1,7 @@
 """The compiled prefill (decoder.compiled_prefill: torch.compile with dynamic shapes) of Decoder and BatchEngine
 against the eager prefill and stock `generate`, on the tiny E4B-shaped model (window 8, KV-shared layers of both
 types): the tokens, the KV cache after the prefill, how many graphs prompts of many lengths and row counts compile
-(the bound: sizes 0 and 1 are all dynamic=True specialises, see compiled_prefill), and the eager fallback.
+(the bound: size 1 is all that is specialised, see compiled_prefill), and the eager fallback.
 
 The backend runs Dynamo's graph with eager kernels ("eager"; "aot_eager", through AOTAutograd's functionalisation
 of the in-place cache writes, in one test on a 3-layer model): what they check is the trace, its guards and its
@@ -144,9 +144,9 @@ def test_batch_engine_compiled_prefill_16_concurrent_requests(model, backend):
     calls = []  # (rows, chunk length, end) of each compiled prefill call
     compiled_fn = engines[True]._prefill_fn
 
-    def recording(ids, rows, end):  # the compiled function: no `first`
-        calls.append((ids.shape[0], ids.shape[1], end))
-        return compiled_fn(ids, rows, end)
+    def recording(ids, rows, slots):  # the compiled function: no `first`
+        calls.append((ids.shape[0], ids.shape[1], slots.shape[0]))
+        return compiled_fn(ids, rows, slots)
 
     engines[True]._prefill_fn = recording
     outs = {c: _serve(e, prompts) for c, e in engines.items()}

@@ -32,7 +32,7 @@ bf16) took 5.96 ms per token end to end instead of 11.6, and `warmup()` of 7 buc
 3.5 s. `compile_prefill=True` (off by default, as the Decoder's: its GPU
 first-call time is not measured yet) compiles the prefill call's model call too, with dynamic shapes
 (decoder.compiled_prefill): two graphs for every chunk length and cached length, one for calls of one row and one
-for several (dynamic=True specialises size 1; a 1-token chunk is padded to 2), both compiled by `warmup()`; a
+for several (size 1 is specialised; a 1-token chunk is padded to 2), both compiled by `warmup()`; a
 compiler failure leaves the prefill eager with one warning. The host reads the step's tokens back once per step
 (each token is an event).
 
@@ -216,8 +216,8 @@ class _PrefillCall(_CacheCall):
     def __init__(self, cache: SlotKVCache, rows: torch.Tensor, start: torch.Tensor, lens: torch.Tensor, n, end,
                  first: int | None = None):  # fmt: skip
         """rows, start, lens: [k] int64 device tensors; n: the padded length N; end: max(start + lens). In the
-        compiled prefill n is input_ids' size and end an int argument, both SymInts, never values a graph would
-        specialise on. `first`: the one row's index when k == 1 (eager only): views of the buffers, no gathers."""
+        compiled prefill n and end are marked dynamic sizes (SymInts), never values a graph would specialise on.
+        `first`: the one row's index when k == 1 (eager only): views of the buffers, no gathers."""
         self.cache = cache
         dev = rows.device
         self.k, self.n, self.end = rows.shape[0], n, end  # full layers attend over slots [0, end)
@@ -348,9 +348,10 @@ class BatchEngine:
         self.buckets = _buckets(max_batch)
         # compile=True compiles the step's model call, not the sampler, so the sampling modes share the compilation
         self._logits_fn = torch.compile(self._logits, fullgraph=True) if compile else self._logits
-        # compile_prefill: the prefill's model call compiled with dynamic shapes, one graph for
-        # every chunk length, row count and cached length (decoder.compiled_prefill)
-        self._prefill_fn = compiled_prefill(self._prefill_logits) if compile_prefill else self._prefill_logits
+        # compile_prefill: the prefill's model call compiled with dynamic shapes, one graph for every chunk length,
+        # row count and cached length (decoder.compiled_prefill): input_ids [k, N], rows [3, k], slots [end]
+        self._prefill_fn = (compiled_prefill(self._prefill_logits, {0: (0, 1), 1: (1,), 2: (0,)}) if compile_prefill
+                            else self._prefill_logits)  # fmt: skip
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (bucket, mode) -> captured step
         self._pool = None  # one memory pool for every captured step (they never run at the same time)
 
@@ -530,7 +531,7 @@ class BatchEngine:
             width = max(width, n)
         end = max(r.prefilled + n for r, n in batch)
         if is_compiled(self._prefill_fn, self._prefill_logits):
-            # a size of 1 would compile a graph of its own (dynamic=True specialises it): a 1-token chunk gets one
+            # a size of 1 would compile a graph of its own (size 1 is specialised): a 1-token chunk gets one
             # more padding token (it writes to scratch), end = 1 reads one more, masked, slot
             width, end = max(width, _MIN_COMPILED_SIZE), max(end, _MIN_COMPILED_SIZE)
         try:
@@ -560,19 +561,21 @@ class BatchEngine:
             self.counter[r] = 1
             self._emit_token(req, token, activate=True)
 
-    def _prefill_logits(self, input_ids: torch.Tensor, rows: torch.Tensor, end: int, first: int | None = None):
+    def _prefill_logits(self, input_ids: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                        first: int | None = None):  # fmt: skip
         """The prefill call's model call (compiled by decoder.compiled_prefill, without `first`): input_ids [k, N]
-        left-padded, rows [3, k] (each row's KV row, cached length and chunk length), `end` = max(cached + chunk)
-        -> fp32 logits [k, V] of the last position. `first`: the KV row of a 1-row call, eager only."""
-        call = _PrefillCall(self.cache, rows[0], rows[1], rows[2], input_ids.shape[1], end, first)
+        left-padded, rows [3, k] (each row's KV row, cached length and chunk length), slots [end] (any values: its
+        size is end = max(cached + chunk), a marked dynamic size, not an int a graph would specialise on) -> fp32
+        logits [k, V] of the last position. `first`: the KV row of a 1-row call, eager only."""
+        call = _PrefillCall(self.cache, rows[0], rows[1], rows[2], input_ids.shape[1], slots.shape[0], first)
         return self.model(
             input_ids=input_ids, attention_mask=call.masks(), position_ids=call.position_ids,
             **{self._cache_kw: call}, use_cache=True, logits_to_keep=1,
         ).logits[:, -1].float()  # fmt: skip
 
     def _warm_prefill(self) -> None:
-        """Compile the prefill graphs of a 1-row call and of a several-row call (dynamic=True specialises size 1;
-        chunk lengths and `end` are kept >= 2), on calls whose tokens are all padding: those write only the
+        """Compile the prefill graphs of a 1-row call and of a several-row call (size 1 is specialised; chunk
+        lengths and `end` are kept >= 2), on calls whose tokens are all padding: those write only the
         scratch slots. These are every graph the compiled prefill needs."""
         if not is_compiled(self._prefill_fn, self._prefill_logits):
             return
@@ -583,9 +586,10 @@ class BatchEngine:
             self._run_prefill(torch.zeros(k, width, dtype=torch.long, device=self.device), meta, width)
 
     def _run_prefill(self, input_ids: torch.Tensor, rows: torch.Tensor, end: int, first: int | None = None):
+        slots = torch.empty(end, dtype=torch.bool, device=self.device)  # only its size is read
         if is_compiled(self._prefill_fn, self._prefill_logits):
             try:
-                return self._prefill_fn(input_ids, rows, end)
+                return self._prefill_fn(input_ids, rows, slots)
             except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager prefill still works
                 if isinstance(exc, torch.OutOfMemoryError):
                     raise
@@ -594,7 +598,7 @@ class BatchEngine:
                 log.warning("BatchEngine: compiling the prefill failed; prefill runs eagerly (slower): %s: %s",
                             type(exc).__name__, exc)  # fmt: skip
                 self._prefill_fn = self._prefill_logits
-        return self._prefill_logits(input_ids, rows, end, first)
+        return self._prefill_logits(input_ids, rows, slots, first)
 
     @staticmethod
     def _mode(reqs) -> tuple:
