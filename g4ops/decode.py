@@ -12,12 +12,15 @@ What routing does not keep from stock: a returned `GenerateDecoderOnlyOutput` ha
 DynamicCache/StaticCache; the decoder's cache stays with the decoder). On CUDA the step is compiled (torch.compile,
 then captured) for every cache, not only where stock compiles (a static cache): the first call for a batch size and
 length bucket pays the compile time (logged once at INFO); `disable_compile=True` keeps it to the captured graph.
+`G4OPS_COMPILE_PREFILL=1` compiles the prefill too (engine.decoder's `compile_prefill`, opt-in until its first-call
+time on a GPU is measured).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import weakref
 
@@ -27,6 +30,7 @@ from .engine.decoder import Decoder, GreedyDecoder, as_id_list  # noqa: F401 - G
 
 logger = logging.getLogger("g4ops")
 
+COMPILE_PREFILL = os.environ.get("G4OPS_COMPILE_PREFILL") == "1"  # with a compiled step only (module docstring)
 ROUTED_DEVICES = ("cuda",)  # where the graph pays off; the tests add "cpu" to exercise the routing itself
 _STOCK_GENERATE = "_g4ops_stock_generate"  # attribute of the wrapper: the generate it wraps
 _MAX_EOS_IDS = 8  # the Decoder's limit (its EOS buffer has a fixed size)
@@ -129,7 +133,8 @@ def make_generate(stock_generate):
                 logger.info("g4ops: compiling the decode step for batch %d, length %d (once per shape; "
                             "disable_compile=True skips it)", ids.shape[0], max_length)  # fmt: skip
             decoder = (key, Decoder(self, batch_size=ids.shape[0], max_length=max_length, compile=plan.compile_step,
-                                    suppress_tokens=plan.suppress))  # fmt: skip
+                                    suppress_tokens=plan.suppress,
+                                    compile_prefill=plan.compile_step and COMPILE_PREFILL))  # fmt: skip
             vars(self)["_g4ops_decoder"] = decoder
             _models_with_decoder.add(self)
         stop = _stop_function(*plan.stop) if plan.stop else None

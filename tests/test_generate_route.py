@@ -343,3 +343,21 @@ def test_cuda_sampled_call_compiles_the_step_and_reproduces(cache):
         assert vars(model)["_g4ops_decoder"][0][2] is True
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
     assert torch.equal(greedy, stock_greedy)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_compile_prefill_switch_reaches_the_routed_decoder(monkeypatch):
+    """G4OPS_COMPILE_PREFILL=1 (read at import into decode.COMPILE_PREFILL) gives the routed call a compiled prefill
+    beside its compiled step; fp32 greedy tokens stay stock's."""
+    from g4ops import decode
+
+    monkeypatch.setattr(decode, "COMPILE_PREFILL", True)
+    model = build_model("tiny-e4b", device="cuda")
+    ids, mask = (t.cuda() for t in _prompts())
+    stock = _gen(model, ids, mask, max_new_tokens=24, do_sample=False, eos_token_id=1)
+    with g4ops.enable():
+        ours = _gen(model, ids, mask, max_new_tokens=24, do_sample=False, eos_token_id=1)
+        decoder = vars(model)["_g4ops_decoder"][1]
+        assert decoder.prefill_fn != decoder._prefill_logits
+    assert torch.equal(ours, stock)
