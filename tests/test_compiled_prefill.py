@@ -20,6 +20,11 @@ from g4ops.engine.batch import BatchEngine, SamplingParams
 from g4ops.engine.decoder import Decoder
 from g4ops.models import build_model
 
+try:
+    from .devices import one_intra_op_thread  # noqa: F401 - an autouse fixture of this module
+except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    from devices import one_intra_op_thread  # noqa: F401
+
 pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
 
 NEW = 12
@@ -34,14 +39,6 @@ class CountingBackend:
     def __call__(self, gm, example_inputs):
         self.graphs += 1
         return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture
