@@ -433,7 +433,7 @@ for _name in ("lora_geglu_mlp_forward", "lora_geglu_mlp_backward"):
     _lib.impl(_name, ops._internal_op_autograd(_name), "Autograd", with_keyset=True)
 
 
-# (getattr: importing this module must not depend on it; the traced path is off on the torch releases that might lack it)
+# (getattr: importing this module must not need it; the traced path is off on releases that might lack it)
 @getattr(torch._dynamo, "nonstrict_trace", lambda fn: fn)
 def _check_traced(x, *args):
     """The op's input checks, once per trace on its fake tensors: Dynamo refuses (a graph break) torch._check
