@@ -177,6 +177,11 @@ def test_lora_grad_error_smoke(tmp_path):
                 tmp_path)  # fmt: skip
     ratios = [float(line.split()[1]) for line in proc.stdout.splitlines() if line.strip().startswith("g4ops/stock")]
     assert len(ratios) == 5 and max(ratios) < 1.1, proc.stdout
+    # every norm sent back to stock (all their names end in "norm"): no g4ops call is left, the errors are equal
+    proc = _run(["bench/lora_grad_error.py", "--device", "cpu", "--keep", "norm", "--targets", "q_proj",
+                 "--stock-norms", "norm"], tmp_path)  # fmt: skip
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("g4ops/stock")]
+    assert len(rows) == 5 and all(r[3] == r[5] for r in rows), proc.stdout
 
 
 def test_serve_smoke(tmp_path):
