@@ -59,6 +59,16 @@ def test_e2e_train_with_g4ops_attention(tmp_path):
     assert rows["g4ops"]["loss_matches_stock"] is True and rows["g4ops"]["tok_s"] > 0
 
 
+def test_e2e_train_with_gradient_checkpointing(tmp_path):
+    """--grad-ckpt (the longest-sequence search) turns checkpointing on in every variant's model; losses still agree."""
+    out = tmp_path / "e2e.json"
+    _run(["bench/e2e.py", "--device", "cpu", "--shape", "tiny-e4b", "--smoke", "--parts", "train", "--variants",
+          "stock,g4ops", "--optimizers", "none", "--grad-ckpt", "--json", str(out)], tmp_path)  # fmt: skip
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["train"]}
+    assert all(rows[v].get("grad_ckpt") is True and "error" not in rows[v] for v in ("stock", "g4ops")), rows
+    assert rows["g4ops"]["loss_matches_stock"] is True
+
+
 def test_e2e_decode_variants_in_their_own_processes(tmp_path):
     """--decode-processes each (the CUDA default): one child process per variant, rows merged and compared."""
     out = tmp_path / "e2e.json"
