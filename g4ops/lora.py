@@ -50,10 +50,10 @@ bf16 MLP with fp32 adapters it kept fp32 copies of x and h, as peft's autograd d
 from the trace of the same `native_dropout` calls, so from the backend's generator: aot_eager runs ATen's (a seeded
 step draws peft's masks), Inductor its own (the masks compiled stock peft draws with the same seed, not eager mode's,
 unless `torch._inductor.config.fallback_random`).
-That traced path is on where it was tested: torch >= 2.13 (CPU, 2026-12-01). On the H200's torch 2.11 three of
-tests/test_lora_compile.py's CUDA tests failed with it (2026-12-01; the failures' text was cut off with the device
-time, so the cause is not known), so there a compiled model keeps calling the op (tested on CUDA, the 9666 tok/s
-above). `G4OPS_LORA_TRACE=1` turns the traced path on anyway (to test it), `=0` off.
+That traced path is on where it was tested: torch >= 2.13 (CPU, 2026-12-01). Under torch 2.11 it is wrong: the
+MLP's input gradient comes back all zeros (`G4OPS_LORA_TRACE=1 bash .ci/gpu-image-stack tests/test_lora_compile.py`
+on CPU, 2026-12-01; on the H200 the same tests failed), so there a compiled model keeps calling the op (tested on
+CUDA, the 9666 tok/s above). `G4OPS_LORA_TRACE=1` turns the traced path on anyway (to test it), `=0` off.
 
 Not implemented, so peft's own forward runs and `geglu_mlp` below says why once at INFO on the "g4ops" logger:
 LoRA variants (DoRA, aLoRA, ... anything in peft's `lora_variant`), `lora_bias`, a dropout module other than a
