@@ -4,6 +4,7 @@
     python bench/lora_grad_error.py --keep norm --targets q_proj,k_proj,v_proj,o_proj
     python bench/lora_grad_error.py --device cpu
     python bench/lora_grad_error.py --keep norm --stock-norms q_norm,k_norm   # those norms' calls stay stock
+    python bench/lora_grad_error.py --per-call      # each Gemma4RMSNorm call alone: g4ops' and stock's error
 
 The tiny-e4b model with peft LoRA (r=4, `init_lora_weights=False`), one forward and backward of 2 x 21 tokens in
 fp32: stock peft, then with `g4ops.enable()` patching only the classes in `--keep` (norm: Gemma4RMSNorm, layer:
@@ -12,12 +13,16 @@ an fp64 run of stock peft on the same weights. Prints the five adapter gradients
 ratio and the mean errors. `--stock-norms`: Gemma4RMSNorm modules whose name ends in one of these
 (q_norm, k_norm, v_norm, input_layernorm, ..., "model.norm" for the final one) keep the stock forward. H200, 2026-12-01: 5.4 with `--keep norm`, 1.0-1.5 for each other class
 (bench/results/2026-12-01-h200-session11.md).
+`--per-call`: records every Gemma4RMSNorm call's input and output gradient in a stock fp32 step and replays each
+through g4ops.rms_norm and through the stock module, each against fp64 on the same tensors (forward output and
+input gradient), worst g4ops/stock ratios first, with the shapes and strides the call saw.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import pathlib
 import sys
 
@@ -47,6 +52,7 @@ def main(argv=None):
     ap.add_argument("--targets", default=ALL_TARGETS, help="peft target_modules, comma-separated")
     ap.add_argument("--keep", default="norm,layer,mlp,emb,loss", help="the g4ops patches to keep, comma-separated")
     ap.add_argument("--stock-norms", default="", help="name suffixes of Gemma4RMSNorm modules that stay stock")
+    ap.add_argument("--per-call", action="store_true", help="replay each norm call alone (see above)")
     args = ap.parse_args(argv)
     import peft
 
@@ -62,7 +68,9 @@ def main(argv=None):
     kept = [m for n, m in base.named_modules() if suffixes and n.endswith(suffixes) and type(m) is type(base.model.norm)]
     if suffixes and not kept:
         raise SystemExit(f"--stock-norms {args.stock_norms}: no Gemma4RMSNorm module name ends so")
-    exact = copy.deepcopy(model).to(torch.float64)
+    if args.per_call:
+        return per_call(model, base, ids)
+    exact = O.fp64_model(model)
     exact(ids, labels=ids).loss.backward()
     grads64 = {n: p.grad for n, p in exact.named_parameters() if p.requires_grad}
 
@@ -86,6 +94,59 @@ def main(argv=None):
     for mine, theirs, name in rows[:5]:
         print(f"  g4ops/stock {mine / theirs:5.2f}  g4ops {mine:.3e}  stock {theirs:.3e}  {name}")
     print(f"  mean error: g4ops {sum(r[0] for r in rows) / len(rows):.3e}, stock {sum(r[1] for r in rows) / len(rows):.3e}")
+
+
+def _strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy with t's strides (clone() may densify a view), so the replay takes the kernel's strided route."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_(t.detach())
+
+
+def per_call(model, base, ids):
+    norm_cls = type(base.model.norm)
+    calls = []  # (name, x, grad_out)
+
+    def record(name):
+        def hook(module, args, out):
+            entry = [name, _strided_copy(args[0]), None]
+            calls.append(entry)
+            if out.requires_grad:
+                out.register_hook(lambda g: entry.__setitem__(2, _strided_copy(g)))
+        return hook
+
+    handles = [m.register_forward_hook(record(n)) for n, m in base.named_modules() if type(m) is norm_cls]
+    model(ids, labels=ids).loss.backward()
+    for h in handles:
+        h.remove()
+    modules = dict(base.named_modules())
+    rows = []
+    for name, x, g in calls:
+        if g is None:
+            continue
+        norm = modules[name]
+        weight = integration._norm_weight(norm)
+
+        def run(fn, xin, gin):
+            xin = xin.detach().requires_grad_(True)
+            y = fn(xin)
+            (dx,) = torch.autograd.grad(y, xin, gin)
+            return y.detach(), dx
+
+        n64 = copy.deepcopy(norm).to(torch.float64)
+        n64.forward = functools.partial(O._fp64_norm_forward, n64)
+        y64, dx64 = run(n64, x.to(torch.float64), g.to(torch.float64))
+        ys, dxs = run(norm, x, g)
+        yg, dxg = run(lambda t: g4ops.rms_norm(t, weight, norm.eps), x, g)
+        e = [O.rel_err(v, r) for v, r in ((yg, y64), (ys, y64), (dxg, dx64), (dxs, dx64))]
+        rows.append((e[2] / max(e[3], 1e-30), e, name, tuple(x.shape), x.stride(), g.stride()))
+    rows.sort(key=lambda r: r[0], reverse=True)
+    print(f"{len(rows)} norm calls on {ids.device}; rel. error vs fp64 of the forward y and the input gradient dx")
+    for ratio, e, name, shape, xs, gs in rows[:12]:
+        print(f"  dx g4ops/stock {ratio:6.2f}  dx {e[2]:.2e} / {e[3]:.2e}  y {e[0]:.2e} / {e[1]:.2e}  {name} "
+              f"x{list(shape)} strides x{xs} g{gs}")
+    for label, i in (("y", 0), ("dx", 2)):
+        print(f"  mean {label} error: g4ops {sum(r[1][i] for r in rows) / len(rows):.3e}, "
+              f"stock {sum(r[1][i + 1] for r in rows) / len(rows):.3e}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -52,6 +53,26 @@ def rms_norm_grads(
     dx = r * g - r.pow(3) * x * (g * x).sum(-1, keepdim=True) / d
     dw = None if w is None else (dy * x * r).reshape(-1, d).sum(0)
     return dx, dw
+
+
+def fp64_model(model: torch.nn.Module) -> torch.nn.Module:
+    """A float64 copy of a transformers model whose Gemma4RMSNorms really compute in fp64. Stock's forward casts
+    its input to fp32 (`hidden_states.float()`), so a plain `.double()` copy rounds every norm exactly as the fp32
+    model does: an oracle that flatters stock fp32 and charges any other fp32 norm kernel with its own rounding."""
+    import copy
+
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    exact = copy.deepcopy(model).to(F64)
+    for module in exact.modules():
+        if isinstance(module, Gemma4RMSNorm):
+            module.forward = functools.partial(_fp64_norm_forward, module)  # an instance attribute wins
+    return exact
+
+
+def _fp64_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    y = x * (x.square().mean(-1, keepdim=True) + norm.eps).rsqrt()
+    return y * norm.weight if norm.with_scale else y  # differentiable in the weight, unlike rms_norm above
 
 
 def sandwich_norm(branch, residual, post_weight, pre_weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
