@@ -1,9 +1,10 @@
 // rms_norm.cu: CUDA kernels for g4ops::rms_norm and g4ops::rms_norm_backward.
 //
 // Semantics (the contract is g4ops/reference.py; design.md section 4):
-//   forward   y[r, :] = cast( (x32[r, :] * inv_r) * w32 ),  inv_r = rsqrt(sum_k x32[r, k]^2 * (1/N) + eps)
-//             (torch's CUDA pow(t, -0.5) is rsqrt, so this matches reference.py run on CUDA up to summation order;
-//             fp32 math, one rounding to x.dtype; no weight -> no multiply).
+//   forward   y[r, :] = cast( (x32[r, :] * inv_r) * w32 ),  inv_r = (sum_k x32[r, k]^2 * (1/N) + eps)^-1/2
+//             (fp32 math, one rounding to x.dtype; no weight -> no multiply; inv_r correctly rounded through fp64,
+//             inverse_rms in g4ops_common.cuh, where torch's CUDA pow(t, -0.5) is rsqrtf, up to 2 ulp off: so this
+//             matches reference.py run on CUDA up to summation order and that 2 ulp).
 //   backward  dyw = dy32 * w32 (or dy32), xhat = x32 * inv_r, m_r = inv_r * sum_k(dyw * x32) * (1/N)
 //             dx = cast( inv_r * (dyw - xhat * m_r) )
 //             dw = cast_to_weight_dtype( sum_r dy32 * xhat ), reduced in fp32 deterministically: every CTA owns a
@@ -78,7 +79,7 @@ __global__ void rms_norm_fwd_kernel(const T* __restrict__ x,   // [rows, N] addr
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
     if (row0 + r >= rows) continue;
-    const float inv = rsqrtf(ss[r] * inv_n + eps);
+    const float inv = inverse_rms(ss[r], inv_n, eps);
     T* yr = y + (row0 + r) * N;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -171,7 +172,7 @@ __global__ void rms_norm_bwd_kernel(const T* __restrict__ dy,          // [rows,
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
       if (row0 + r >= rows) continue;
-      const float inv = rsqrtf(sums[2 * r] * inv_n + eps);
+      const float inv = inverse_rms(sums[2 * r], inv_n, eps);
       const float m = (sums[2 * r + 1] * inv) * inv_n;  // mean(dyw * xhat)
       T* dxr = dx + (row0 + r) * N;
 #pragma unroll

@@ -3,8 +3,8 @@
 // Gemma's sandwich: a block's branch output is post-normed and added to the residual stream, and that sum is
 // pre-normed for the next block. Fusing the three steps reads each activation once and rounds the sum once.
 // Semantics (the contract is g4ops/reference.py `sandwich_norm` / `sandwich_norm_backward`; design.md section 4),
-// per row, fp32 math, inv(v) = rsqrt(sum_k v32_k^2 * (1/N) + eps) (torch's CUDA pow(t, -0.5) is rsqrt, so this is
-// reference.py run on CUDA up to summation order), no weight -> no multiply:
+// per row, fp32 math, inv(v) = (sum_k v32_k^2 * (1/N) + eps)^-1/2 correctly rounded (inverse_rms, as in rms_norm.cu:
+// reference.py run on CUDA up to summation order and rsqrtf's 2 ulp), no weight -> no multiply:
 //   forward   s = cast( res32 + (b32 * inv(b32)) * wpost32 )       one rounding of the sum (stock rounds twice)
 //             y = cast( (s32 * inv(s32)) * wpre32 )                of the ROUNDED s: what the next layer reads
 //   backward  with gs = grad_sum, gn = grad_normed, b = branch, s = the forward's rounded sum:
@@ -92,7 +92,7 @@ __global__ void sandwich_norm_fwd_kernel(const T* __restrict__ branch,    // [ro
     }
   }
   row_sum<1>(sb, buf[0]);
-  const float inv_b = rsqrtf(sb[0] * inv_n + eps);
+  const float inv_b = inverse_rms(sb[0], inv_n, eps);
 
   T* sr = s + row * N;
   float ss[1] = {0.f};
@@ -114,7 +114,7 @@ __global__ void sandwich_norm_fwd_kernel(const T* __restrict__ branch,    // [ro
     }
   }
   row_sum<1>(ss, buf[1]);
-  const float inv_s = rsqrtf(ss[0] * inv_n + eps);
+  const float inv_s = inverse_rms(ss[0], inv_n, eps);
 
   T* yr = y + row * N;
 #pragma unroll
@@ -210,9 +210,9 @@ __global__ void sandwich_norm_bwd_kernel(const T* __restrict__ grad_sum,        
       keep_packed(bv[i]);
       keep_packed(sv[i]);
     }
-    const float inv_s = rsqrtf(sums[0] * inv_n + eps);
+    const float inv_s = inverse_rms(sums[0], inv_n, eps);
     const float m_s = (sums[1] * inv_s) * inv_n;  // mean(g2 * s_hat)
-    const float inv_b = rsqrtf(sums[2] * inv_n + eps);
+    const float inv_b = inverse_rms(sums[2], inv_n, eps);
 
     // ds in fp32 (kept in registers for grad_branch), grad_residual, and the sum the post-norm backward needs
     float ds[ITEMS][VEC];
