@@ -54,8 +54,10 @@ stage() {
   return 0
 }
 
+# PYTEST_ARGS replaces "-x -q": pass "-n 8 -v" so that a suite cut by TEST_TIMEOUT still names each failure as it
+# happens (-q there would cancel the -v).
 # shellcheck disable=SC2086  # the *_ARGS variables are word lists on purpose
-has test && stage tests "$TEST_TIMEOUT" $PY -m pytest -m cuda ${PYTEST_ARGS:--x} -q -p no:cacheprovider tests/
+has test && stage tests "$TEST_TIMEOUT" $PY -m pytest -m cuda -rf -p no:cacheprovider ${PYTEST_ARGS:--x -q} tests/
 # shellcheck disable=SC2086
 has bench && stage bench "$BENCH_TIMEOUT" $PY bench/kernels.py --json "$OUT/kernels.json" ${BENCH_ARGS:-}
 # shellcheck disable=SC2086
