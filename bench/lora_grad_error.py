@@ -23,8 +23,6 @@ whole-model mean error 1.8x stock's, which a one-ulp change of each norm's round
 from __future__ import annotations
 
 import argparse
-import copy
-import functools
 import pathlib
 import sys
 
@@ -67,11 +65,12 @@ def main(argv=None):
     ids = ids.to(args.device)
     stock_norm = type(base.model.norm).forward  # the class's own forward, before enable() patches it
     suffixes = tuple(n for n in args.stock_norms.split(",") if n)
-    kept = [m for n, m in base.named_modules() if suffixes and n.endswith(suffixes) and type(m) is type(base.model.norm)]
+    norm_cls = type(base.model.norm)
+    kept = [m for n, m in base.named_modules() if suffixes and n.endswith(suffixes) and type(m) is norm_cls]
     if suffixes and not kept:
         raise SystemExit(f"--stock-norms {args.stock_norms}: no Gemma4RMSNorm module name ends so")
     if args.per_call:
-        return per_call(model, base, ids)
+        return per_call(model, ids)
     exact = O.fp64_model(model)
     exact(ids, labels=ids).loss.backward()
     grads64 = {n: p.grad for n, p in exact.named_parameters() if p.requires_grad}
@@ -98,47 +97,22 @@ def main(argv=None):
     print(f"  mean error: g4ops {sum(r[0] for r in rows) / len(rows):.3e}, stock {sum(r[1] for r in rows) / len(rows):.3e}")
 
 
-def _strided_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy with t's strides (clone() may densify a view), so the replay takes the kernel's strided route."""
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    return out.copy_(t.detach())
-
-
-def per_call(model, base, ids):
-    norm_cls = type(base.model.norm)
-    calls = []  # (name, x, grad_out)
-
-    def record(name):
-        def hook(module, args, out):
-            entry = [name, _strided_copy(args[0]), None]
-            calls.append(entry)
-            if out.requires_grad:
-                out.register_hook(lambda g: entry.__setitem__(2, _strided_copy(g)))
-        return hook
-
-    handles = [m.register_forward_hook(record(n)) for n, m in base.named_modules() if type(m) is norm_cls]
-    model(ids, labels=ids).loss.backward()
-    for h in handles:
-        h.remove()
-    modules = dict(base.named_modules())
+def per_call(model, ids):
     rows = []
-    for name, x, g in calls:
-        if g is None:
+    for name, norm, x, g in O.record_norm_calls(model, ids):
+        if g is None:  # its output needed no gradient after all
             continue
-        norm = modules[name]
         weight = integration._norm_weight(norm)
 
-        def run(fn, xin, gin):
-            xin = xin.detach().requires_grad_(True)
+        def run(fn):
+            xin = x.detach().requires_grad_(True)
             y = fn(xin)
-            (dx,) = torch.autograd.grad(y, xin, gin)
+            (dx,) = torch.autograd.grad(y, xin, g)
             return y.detach(), dx
 
-        n64 = copy.deepcopy(norm).to(torch.float64)
-        n64.forward = functools.partial(O._fp64_norm_forward, n64)
-        y64, dx64 = run(n64, x.to(torch.float64), g.to(torch.float64))
-        ys, dxs = run(norm, x, g)
-        yg, dxg = run(lambda t: g4ops.rms_norm(t, weight, norm.eps), x, g)
+        y64, dx64 = O.rms_norm(x, weight, norm.eps), O.rms_norm_grads(g, x, weight, norm.eps)[0]
+        ys, dxs = run(norm)
+        yg, dxg = run(lambda t: g4ops.rms_norm(t, weight, norm.eps))
         e = [O.rel_err(v, r) for v, r in ((yg, y64), (ys, y64), (dxg, dx64), (dxs, dx64))]
         rows.append((e[2] / max(e[3], 1e-30), e, name, tuple(x.shape), x.stride(), g.stride()))
     rows.sort(key=lambda r: r[0], reverse=True)

@@ -260,10 +260,11 @@ namespace {
 constexpr int kMaxThreadsPerRow = 1024;
 
 // inv = (mean_sq + eps)^-1/2 from a row's fp32 sum of squares, correctly rounded to fp32: the mean, the root and
-// the division in fp64, one rounding at the end (one fp64 sqrt per row, hidden under the row's loads). rsqrtf is up to 2 ulp off,
-// and a model's gradients amplify per-row scale errors of that size: on the tiny Gemma-4 with LoRA, a random +-1 ulp
-// per row in inv moves the adapter gradients' fp64 error by 1.3-2.5x, while the correctly rounded inv has 0.43x
-// stock's error (CPU emulation, 2026-12-01); H200 with rsqrtf: 3.2x stock's (bench/lora_grad_error.py).
+// the division in fp64, one rounding at the end (one fp64 sqrt and division per row; its cost is not measured yet).
+// rsqrtf is up to 2 ulp off, and a model's gradients amplify per-row scale errors of that size: on the tiny Gemma-4
+// with LoRA, a random +-1 ulp per row in inv moves the adapter gradients' fp64 error by 1.3-2.5x, while the
+// correctly rounded inv has 0.43x stock's error (CPU emulation, 2026-12-01); H200 with rsqrtf: 3.2x stock's
+// (bench/lora_grad_error.py).
 __device__ __forceinline__ float inverse_rms(float sum_sq, float inv_n, float eps) {
   return static_cast<float>(1.0 / sqrt(static_cast<double>(sum_sq) * inv_n + eps));
 }

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass
@@ -59,8 +60,6 @@ def fp64_model(model: torch.nn.Module) -> torch.nn.Module:
     """A float64 copy of a transformers model whose Gemma4RMSNorms really compute in fp64. Stock's forward casts
     its input to fp32 (`hidden_states.float()`), so a plain `.double()` copy rounds every norm exactly as the fp32
     model does: an oracle that flatters stock fp32 and charges any other fp32 norm kernel with its own rounding."""
-    import copy
-
     from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 
     exact = copy.deepcopy(model).to(F64)
@@ -201,6 +200,35 @@ def geglu_mlp_abs_terms(
 
 # ----------------------------------------------------------------------------------------------------------------
 # Stock transformers: the baseline g4ops must be at least as accurate as.
+
+
+def record_norm_calls(model: torch.nn.Module, inputs: torch.Tensor):
+    """[(name, module, x, grad_out)] for each Gemma4RMSNorm call of one `model(inputs, labels=inputs)` forward and
+    backward whose output gets a gradient, with copies of x and grad_out in the strides the call saw (so a replay
+    takes the kernel's strided route: v_norm's gradient comes strided from the attention)."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    def strided(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t.detach())
+
+    calls = []
+
+    def record(name):
+        def hook(module, args, out):
+            if out.requires_grad:  # the norms before the first adapter of a LoRA model see no gradient
+                entry = [name, module, strided(args[0]), None]
+                calls.append(entry)
+                out.register_hook(lambda g: entry.__setitem__(3, strided(g)))
+
+        return hook
+
+    handles = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, Gemma4RMSNorm)]
+    try:
+        model(inputs, labels=inputs).loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return [tuple(c) for c in calls]
 
 
 def stock_rms_norm_module(dim: int, weight: torch.Tensor | None, eps: float) -> torch.nn.Module:

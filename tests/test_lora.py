@@ -522,25 +522,11 @@ def test_norm_calls_of_the_model_are_no_worse_than_stock(device):
     and final norms), replayed on the tensors it saw: g4ops.rms_norm's output and input gradient are no further
     from fp64 than stock's on the same call."""
     base = build_model("tiny-e4b").to(device)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], init_lora_weights=False)
+    targets = ["q_proj", "v_proj", "gate_proj"]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
     model = peft.get_peft_model(base, config).train()
     ids = torch.randint(3, base.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(0)).to(device)
-    norm_cls = type(base.model.norm)
-    calls = []  # [module, x, grad_out], with the strides the call saw
-
-    def strided(t):
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t.detach())
-
-    def record(module, args, out):
-        if out.requires_grad:  # the norms before the first adapter see no gradient
-            entry = [module, strided(args[0]), None]
-            calls.append(entry)
-            out.register_hook(lambda g: entry.__setitem__(2, strided(g)))
-
-    handles = [m.register_forward_hook(record) for m in base.modules() if type(m) is norm_cls]
-    model(ids, labels=ids).loss.backward()
-    for h in handles:
-        h.remove()
+    calls = O.record_norm_calls(model, ids)
     assert len(calls) >= 6 * base.config.num_hidden_layers and all(g is not None for *_, g in calls)
     assert any(not g.is_contiguous() for *_, g in calls)  # v_norm's gradient comes strided from the attention
 
@@ -549,7 +535,7 @@ def test_norm_calls_of_the_model_are_no_worse_than_stock(device):
         y = fn(x)
         return y.detach(), torch.autograd.grad(y, x, g)[0]
 
-    for module, x, g in calls:
+    for _, module, x, g in calls:
         weight = module.weight if module.with_scale else None
         exact = O.rms_norm(x, weight, module.eps), O.rms_norm_grads(g, x, weight, module.eps)[0]
         ours = y_and_dx(lambda t: g4ops.rms_norm(t, weight, module.eps), x, g)
