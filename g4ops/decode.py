@@ -26,7 +26,8 @@ import weakref
 
 import torch
 
-from .engine.decoder import Decoder, GreedyDecoder, as_id_list  # noqa: F401 - GreedyDecoder: the CLI's name
+from .engine.decoder import GreedyDecoder  # noqa: F401 - the CLI's name
+from .engine.decoder import Decoder, as_id_list, prefill_width
 
 logger = logging.getLogger("g4ops")
 
@@ -124,7 +125,8 @@ def make_generate(stock_generate):
                 logger.info("g4ops: generate() runs transformers' own loop: %s", plan)
             return stock_generate(self, inputs, generation_config, **kwargs)
         ids = plan.ids
-        max_length = -(-(ids.shape[1] + plan.new_tokens) // _BUCKET) * _BUCKET
+        # room for the prompt as the decoder pads it for its captured prefill (engine.decoder.prefill_width)
+        max_length = -(-(prefill_width(ids.shape[1], ids.shape[0]) + plan.new_tokens) // _BUCKET) * _BUCKET
         key = (ids.shape[0], max_length, plan.compile_step, tuple(plan.suppress))
         decoder = vars(self).get("_g4ops_decoder")
         if decoder is None or decoder[0] != key:  # one decoder per model, like stock's one static cache

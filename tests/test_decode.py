@@ -158,6 +158,29 @@ def test_cuda_graph_replay_matches_eager_steps(dtype):
         _assert_stock_argmax(model, out, ids.shape[1])
 
 
+def test_padded_prefill_gives_stock_tokens():
+    """The prompt left-padded to its prefill width (what lets one CUDA graph serve every length) changes no token:
+    fp32, a left-padded batch, the ring of the sliding layers (window 8) holding padding and real slots; a width
+    that would not leave room for the new tokens is not padded."""
+    from g4ops.engine.decoder import prefill_width
+
+    model = build_model("tiny-e4b")
+    ids = _prompt(model, length=11)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    ref = _generate(model, ids, attention_mask=mask, min_new_tokens=NEW)
+    decoder = GreedyDecoder(model, batch_size=2, max_length=64, pad_prefill=True)
+    out = decoder.generate(ids, NEW, eos_token_id=1, attention_mask=mask, min_new_tokens=NEW)
+    assert torch.equal(out, ref)
+    width = prefill_width(11, 2)
+    assert width == 16 and torch.equal(decoder.cache.pad.flatten(), torch.tensor([5, 9]))  # the padded path ran
+    assert int(decoder.prompt_len) == width
+    tight = GreedyDecoder(model, batch_size=2, max_length=11 + NEW, pad_prefill=True)
+    assert torch.equal(tight.generate(ids, NEW, eos_token_id=1, attention_mask=mask, min_new_tokens=NEW), ref)
+    assert int(tight.prompt_len) == 11  # 16 + NEW would not fit: not padded
+
+
 def test_per_row_sampling_settings():
     """One value per row: a top_k=1 row is greedy search whatever the others do; a seed repeats the draws; a bad
     value is refused naming the parameter."""
@@ -340,6 +363,28 @@ def test_cuda_routed_generate_left_padded_matches_stock():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_prefill_is_replayed_from_a_graph_per_width(dtype):
+    """Prompts of 5 and 11 tokens share the captured prefill of width 16: the first call captures it, the others
+    replay it, and the tokens equal the same decoder run without graphs (the same padding) and, in fp32, stock's
+    argmax; without padding nothing is captured."""
+    model = build_model("tiny-e4b", dtype=dtype, device="cuda")
+    with g4ops.enable():
+        graphed = GreedyDecoder(model, batch_size=2, max_length=64)
+        eager = GreedyDecoder(model, batch_size=2, max_length=64, cuda_graph=False)
+        for length in (5, 11, 5):
+            ids = _prompt(model, length=length, seed=length).cuda()
+            out = graphed.generate(ids, NEW)
+            assert list(graphed._prefill_graphs) == [16] and graphed._prefill_graphs[16] is not None
+            assert torch.equal(out, eager.generate(ids, NEW))
+            if dtype == torch.float32:
+                _assert_stock_argmax(model, out, length)
+        unpadded = GreedyDecoder(model, batch_size=2, max_length=64, pad_prefill=False)
+        assert torch.equal(unpadded.generate(ids, NEW)[:, :5], ids) and not unpadded._prefill_graphs
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_cuda_decoder_captures_the_uncompiled_step_when_compiling_fails(caplog):
     """A step torch.compile cannot build (simulated) costs speed, never the call: the warm-up logs why, captures the
     uncompiled step, and the tokens are the eager step's."""
@@ -358,3 +403,25 @@ def test_cuda_decoder_captures_the_uncompiled_step_when_compiling_fails(caplog):
     assert "compiling the decode step failed" in caplog.text and "simulated compiler failure" in caplog.text
     assert decoder.step_fn == decoder._step and decoder.graph is not None
     assert torch.equal(out, GreedyDecoder(model, batch_size=2, max_length=64, cuda_graph=False).generate(ids, NEW))
+
+
+@pytest.mark.parametrize("eos", [[], [1], [1, 5]])
+@pytest.mark.parametrize("seed", range(40))
+def test_block_stops_equal_the_column_loop(eos, seed):
+    """The decoder's host side takes a block of new-token columns at once when only EOS ids can stop a row; it must
+    give what the column-at-a-time loop gives (the loop runs when a stop function is set: here one that never
+    stops): the ids with finished rows padded, where each row finished, how many columns were taken."""
+    from g4ops.engine.decoder import _Stops
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = int(torch.randint(1, 5, (1,), generator=gen))
+    prompt = torch.randint(0, 9, (batch, 3), generator=gen)
+    block = _Stops(prompt, eos, 0, None, None)
+    loop = _Stops(prompt, eos, 0, lambda ids: torch.zeros(ids.shape[0], dtype=torch.bool), None)
+    block_done = loop_done = False
+    for _ in range(4):
+        columns = torch.randint(0, 12, (batch, int(torch.randint(1, 7, (1,), generator=gen))), generator=gen)
+        block_done = block_done or block.feed(columns)
+        loop_done = loop_done or loop.feed(columns)
+    assert block_done == loop_done and block.length == loop.length
+    assert torch.equal(block.ids(), loop.ids()) and torch.equal(block.finished_at, loop.finished_at)

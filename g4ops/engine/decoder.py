@@ -47,6 +47,17 @@ DECODE_ATTENTION = "g4ops_graph_decode"  # the attention implementation name the
 K_CAPS = (64, 256, 1024)  # top-k candidate sizes a sampling graph may use for the threshold (exact: sampler.warp)
 _MAX_EOS_IDS = 8  # the EOS ids min_new_tokens holds back live in a fixed-size buffer (the graph's shapes are fixed)
 PREFILL_BACKEND = "inductor"  # torch.compile backend of the compiled prefill (tests on CPU swap in a cheaper one)
+# Prompt widths the prefill is left-padded to, so that one captured CUDA graph serves every prompt length up to it:
+# an eager 42-layer E4B prefill is launch-bound (about 45 ms for 512 tokens on the H200, where its matrix work is
+# about 13 ms). Beyond the last width, or PREFILL_GRAPH_TOKENS rows x width, the prefill runs eagerly: there the
+# work outweighs the launches, and a graph's memory pool would hold the activations of that many tokens for good.
+PREFILL_WIDTHS = (16, 32, 64, 128, 256, 512, 1024)
+PREFILL_GRAPH_TOKENS = 8192
+
+
+def prefill_width(prompt: int, batch: int = 1) -> int:
+    """The width a prompt of `prompt` tokens is left-padded to for a captured prefill (itself if none fits)."""
+    return next((w for w in PREFILL_WIDTHS if w >= prompt and w * batch <= PREFILL_GRAPH_TOKENS), prompt)
 
 
 def compiled_prefill(fn, dynamic_dims: dict[int, tuple[int, ...]]):
@@ -138,13 +149,18 @@ class Decoder:
     on the H200 (2026-12-01, torch 2.11) a routed sampled `generate` with it on printed nothing in about 170 s, where
     its first call took 48.8 s with the prefill eager (bench/results/2026-12-01-h200-session11.md); its speed and
     first-call time are not measured yet.
+    `pad_prefill` (default: on CUDA, unless the prefill is compiled): the prompt is left-padded to its
+    `prefill_width`, and with `cuda_graph` the prefill's model call is replayed from a CUDA graph captured per width
+    at its first use (that call runs eagerly, then captures). Padding is what the decoder does for batches of
+    different lengths anyway: the padded slots are masked, and the returned ids hold the prompt as given.
     `suppress_tokens`: ids never chosen (as generate's `suppress_tokens`). `decode_attention=False` keeps the
     model's own attention implementation in the step (for comparison).
     """
 
     def __init__(self, model, batch_size: int = 1, max_length: int = 2048, compile: bool = False,
                  cuda_graph: bool | None = None, sync_every: int = 32, suppress_tokens=None,
-                 decode_attention: bool = True, compile_prefill: bool = False):  # fmt: skip
+                 decode_attention: bool = True, compile_prefill: bool = False,
+                 pad_prefill: bool | None = None):  # fmt: skip
         if batch_size < 1 or max_length < 2:
             raise ValueError(f"Decoder: batch_size must be >= 1 and max_length >= 2, got {batch_size}, "
                              f"{max_length}")  # fmt: skip
@@ -178,6 +194,9 @@ class Decoder:
         self.prefill_fn = (compiled_prefill(self._prefill_logits, {0: (1,)}) if compile_prefill  # the length
                            else self._prefill_logits)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.pad_prefill = self.device.type == "cuda" and not compile_prefill if pad_prefill is None else pad_prefill
+        # width -> (graph, its input ids, its logits), or None where capturing failed (that width runs eagerly)
+        self._prefill_graphs: dict[int, tuple | None] = {}
         # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns until 5.40)
         params = inspect.signature(type(model).forward).parameters
         self._cache_kwarg = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
@@ -271,10 +290,13 @@ class Decoder:
 
     # -- generation -----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                new_tokens: int = 1) -> int:  # fmt: skip
         """Run the prompt from position 0 and leave its next token (greedy or sampled, by the current mode) in
         `next_ids` (and `out`). `attention_mask` [B, prompt]: 0 marks left padding (as a tokenizer with
-        padding_side="left" makes)."""
+        padding_side="left" makes). With `pad_prefill`, the prompt is left-padded further to its
+        `prefill_width` where that width and `new_tokens` fit `max_length`. -> the prompt's width in the cache (the
+        position of the token left in `next_ids`)."""
         b, n = input_ids.shape
         pad = torch.zeros(b, dtype=torch.long, device=self.device)
         if attention_mask is not None:
@@ -286,14 +308,21 @@ class Decoder:
                                  "padding (use padding_side='left')")  # fmt: skip
             if bool((pad >= n).any()):
                 raise ValueError("Decoder: a prompt in the batch is all padding")
+        width = prefill_width(n, b) if self.pad_prefill else n
+        if width + new_tokens > self.max_length:
+            width = n
+        if width > n:
+            input_ids = torch.nn.functional.pad(input_ids, (width - n, 0))  # token 0 in the masked slots
+            pad = pad + (width - n)
         self.cache.pad.copy_(pad[:, None])
         logits = self._run_prefill(input_ids)
         nxt = self._logits_to_next(logits, torch.zeros_like(self.prompt_len))
-        self.out[:, :n] = input_ids
-        self.out[:, n] = nxt
+        self.out[:, :width] = input_ids
+        self.out[:, width] = nxt
         self.next_ids.copy_(nxt[:, None])
-        self.position.fill_(n)
-        self.prompt_len.fill_(n)
+        self.position.fill_(width)
+        self.prompt_len.fill_(width)
+        return width
 
     def _prefill_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The prefill's model call (compiled by `compiled_prefill`): the prompt [B, n] from position 0 under the
@@ -311,6 +340,10 @@ class Decoder:
         ).logits  # fmt: skip
 
     def _run_prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        width = input_ids.shape[1]
+        graphable = width in PREFILL_WIDTHS and width * input_ids.shape[0] <= PREFILL_GRAPH_TOKENS
+        if self.use_graph and self.pad_prefill and graphable:
+            return self._graphed_prefill(input_ids)
         try:
             return self.prefill_fn(input_ids)
         except Exception as e:  # noqa: BLE001 - any compiler failure: the eager prefill still works
@@ -322,6 +355,40 @@ class Decoder:
                            type(e).__name__, e)  # fmt: skip
             self.prefill_fn = self._prefill_logits
             return self.prefill_fn(input_ids)
+
+    def _graphed_prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The prefill's model call replayed from the graph of its width; the first call of a width runs it eagerly
+        on a side stream (also the capture's warm-up: lazy kernel loads, cuBLAS workspaces) and then records it.
+        Recording runs nothing, so the cache keeps what the eager call wrote."""
+        width = input_ids.shape[1]
+        if width in self._prefill_graphs:
+            entry = self._prefill_graphs[width]
+            if entry is None:  # its capture failed once: eager from then on
+                return self._prefill_logits(input_ids)
+            graph, static_ids, logits = entry
+            static_ids.copy_(input_ids)
+            graph.replay()
+            return logits
+        static_ids = input_ids.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            first = self._prefill_logits(static_ids)
+        torch.cuda.current_stream().wait_stream(side)
+        first = first.clone()  # used on this stream from here on
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self._prefill_logits(static_ids)
+        except RuntimeError as e:
+            logger.warning("g4ops: the prefill of width %d could not be captured as a CUDA graph and runs eagerly: "
+                           "%s", width, e)  # fmt: skip
+            torch.cuda.synchronize()
+            self._prefill_graphs[width] = None
+            return first
+        self._pool = graph.pool()
+        self._prefill_graphs[width] = (graph, static_ids, logits)
+        return first
 
     def _set_sampling(self, do_sample: bool, temperature, top_k, top_p, min_p) -> None:
         """Copy one call's sampling settings (scalars or [B] per row) into the step's buffers; choose the mode."""
@@ -382,11 +449,11 @@ class Decoder:
             self._capture()
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        self.prefill(input_ids, attention_mask)
+        width = self.prefill(input_ids, attention_mask, new_tokens=max_new_tokens)
         graph = self.graphs.get(self.mode)
         run = graph.replay if graph is not None else self.run_step
         per_step = streamer is not None or max_time is not None
-        reader = _StepReader(self.out, n, lookahead=per_step and self.device.type == "cuda")
+        reader = _StepReader(self.out, width, lookahead=per_step and self.device.type == "cuda")
         stops = _Stops(input_ids.cpu(), eos_ids, pad_token_id, stop, streamer)
         queued = 1  # new tokens enqueued so far (the first came from prefill)
         reader.request(0, 1)
@@ -476,16 +543,18 @@ class _Stops:
         self.eos = torch.tensor(eos_ids, dtype=torch.long)
         self.finished_at = torch.full((prompt.shape[0],), -1, dtype=torch.long)  # the new token that finished a row
         self.length = 0  # new tokens taken so far
-        self.tokens: list[torch.Tensor] = []
+        self.tokens: list[torch.Tensor] = []  # [B, k] blocks of new tokens
 
     def feed(self, columns: torch.Tensor) -> bool:
         """Take new-token columns [B, k]; True once every row is finished (the rest of `columns` is dropped)."""
+        if self.stop is None and self.streamer is None:
+            return self._feed_block(columns)
         for j in range(columns.shape[1]):
             unfinished = self.finished_at < 0
             tok = columns[:, j].clone()
             if self.eos.numel():  # as stock: only an EOS criterion pads the finished rows
                 tok = torch.where(unfinished, tok, torch.full_like(tok, self.pad))
-            self.tokens.append(tok)
+            self.tokens.append(tok[:, None])
             self.length += 1
             ended = torch.isin(tok, self.eos) if self.eos.numel() else torch.zeros_like(unfinished)
             if self.stop is not None:
@@ -497,6 +566,28 @@ class _Stops:
                 return True
         return False
 
+    def _feed_block(self, columns: torch.Tensor) -> bool:
+        """`feed` for EOS ids alone, the block at once (a column at a time costs the host about 1.5 ms per 32
+        columns on a 2-core CPU, time in which the device idles): a row ends at its first EOS column, later
+        columns of that row are padding, and the block is cut after the column that ends the last row."""
+        k = columns.shape[1]
+        if not self.eos.numel():
+            self.tokens.append(columns)
+            self.length += k
+            return False
+        ended = torch.isin(columns, self.eos)
+        first_eos = torch.where(ended.any(dim=1), ended.int().argmax(dim=1), k)  # k: none in this block
+        last_kept = torch.where(self.finished_at >= 0, -1, first_eos)  # the row's last column that is not padding
+        columns = torch.where(torch.arange(k)[None, :] > last_kept[:, None], self.pad, columns)
+        ends_here = (self.finished_at < 0) & (first_eos < k)
+        self.finished_at = torch.where(ends_here, self.length + first_eos, self.finished_at)
+        done = bool((self.finished_at >= 0).all())
+        if done:  # the loop would stop after the column that finished the last row
+            k = int(first_eos[ends_here].max()) + 1
+        self.tokens.append(columns[:, :k])
+        self.length += k
+        return done
+
     def ids(self) -> torch.Tensor:
         """[B, prompt + new tokens so far] on the host, as generate returns them."""
-        return torch.cat([self.prompt, torch.stack(self.tokens, dim=1)], dim=1)
+        return torch.cat([self.prompt, *self.tokens], dim=1)
