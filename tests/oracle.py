@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -200,6 +201,29 @@ def geglu_mlp_abs_terms(
 
 # ----------------------------------------------------------------------------------------------------------------
 # Stock transformers: the baseline g4ops must be at least as accurate as.
+
+
+@contextlib.contextmanager
+def jittered_norms(model: torch.nn.Module, seed: int):
+    """While open, every Gemma4RMSNorm output of `model` is scaled by 1 +- 2^-23 per row (random sign from `seed`):
+    a norm as accurate as stock's that rounds the other way. A small model's fp32 gradient amplifies such per-row
+    rounding about 300-fold, and which way each rounding falls moves stock's own error 1.3-2.5x (CPU, 2026-12-01),
+    so whole-model gradient tests take the worst of stock and stock run under this as their yardstick. A real defect
+    (a wrong term, a 16-bit sum) lands orders of magnitude past it."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def jitter(module, args, out):
+        sign = torch.randint(0, 2, (*out.shape[:-1], 1), generator=gen).to(out) * 2 - 1
+        return out * (1 + sign * 2.0**-23)
+
+    handles = [m.register_forward_hook(jitter) for m in model.modules() if type(m) is Gemma4RMSNorm]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def record_norm_calls(model: torch.nn.Module, inputs: torch.Tensor):

@@ -482,12 +482,9 @@ def test_tiny_model_lora_on_all_projections_matches_stock(device, attention):
     assert abs(loss1.item() - loss0.item()) <= _fp32_tol(base.config.vocab_size) * abs(loss0.item())
     for proj in targets:  # every projection's adapters train, attention's too
         assert any(f"{proj}.lora_A" in n for n in grads1), proj
-    # This 6-layer fp32 gradient amplifies per-op rounding about 300-fold, and which way each rounding falls moves
-    # it: stock with every norm output moved by one random ulp per row (as good a norm as stock's) lands 1.3-2.5x
-    # from stock's own error (CPU, 2026-12-01). So the yardstick is the worst of stock and two such jittered stock
-    # runs (each call's accuracy is test_norm_calls_of_the_model_are_no_worse_than_stock's). A real defect (a wrong
-    # term, an fp16 sum) is orders of magnitude past it.
-    jittered = [_stock_grads_with_norm_jitter(model, base, ids, seed) for seed in (1, 2)]
+    # The yardstick: the worst of stock and two stock runs whose norms round the other way (oracle.jittered_norms);
+    # each norm call's own accuracy is test_norm_calls_of_the_model_are_no_worse_than_stock's.
+    jittered = [_stock_grads_with_jittered_norms(model, base, ids, seed) for seed in (1, 2)]
     noise = layers * _fp32_tol(base.config.hidden_size * 21)
     for name, g in grads0.items():
         assert grads1[name] is not None, name
@@ -497,22 +494,10 @@ def test_tiny_model_lora_on_all_projections_matches_stock(device, attention):
             assert O.rel_err(grads1[name], g) <= noise, name
 
 
-def _stock_grads_with_norm_jitter(model, base, ids, seed: int) -> dict[str, torch.Tensor]:
-    """Stock peft's fp32 gradients with every Gemma4RMSNorm output scaled by 1 +- 2^-23 per row (random sign)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def jitter(module, args, out):
-        sign = torch.randint(0, 2, (*out.shape[:-1], 1), generator=gen).to(out) * 2 - 1
-        return out * (1 + sign * 2.0**-23)
-
-    norm_cls = type(base.model.norm)
-    handles = [m.register_forward_hook(jitter) for m in base.modules() if type(m) is norm_cls]
-    try:
+def _stock_grads_with_jittered_norms(model, base, ids, seed: int) -> dict[str, torch.Tensor]:
+    with O.jittered_norms(base, seed):
         model.zero_grad(set_to_none=True)
         model(ids, labels=ids).loss.backward()
-    finally:
-        for h in handles:
-            h.remove()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
