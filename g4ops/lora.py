@@ -302,19 +302,34 @@ def _fused(fn, *args):
                         "g4ops.lora_geglu_mlp: torch.compile of its math")  # fmt: skip
 
 
+def _contiguous(result):
+    """The kernels' outputs in the fake kernels' (contiguous) layout. Inductor may hand back a padded layout: on the
+    H200 (torch 2.11, 2026-12-02) the compiled math returned a rank-3 adapter's A(z) [3, 7, 3] with row stride 4,
+    and an outer torch.compile's size/stride check of the op failed. Free where the layout already is contiguous."""
+    if isinstance(result, (list, tuple)):
+        return type(result)(_contiguous(t) for t in result)
+    strides, step = [], 1  # torch's contiguous strides, size-1 dimensions included (a fake's are exactly these)
+    for n in reversed(result.shape):
+        strides.append(step)
+        step *= max(n, 1)
+    if result.stride() == tuple(reversed(strides)):
+        return result
+    return result.clone(memory_format=torch.contiguous_format)
+
+
 def _forward_kernel(*args):
     _check_adapters("lora_geglu_mlp_forward", *args)
-    return _fused(lora_geglu_mlp_forward_math, *args)
+    return _contiguous(_fused(lora_geglu_mlp_forward_math, *args))
 
 
 def _op_kernel(*args):
     _check_adapters("lora_geglu_mlp", *args)
-    return _fused(lora_geglu_mlp_forward_math, *args)[0]
+    return _contiguous(_fused(lora_geglu_mlp_forward_math, *args)[0])
 
 
 def _backward_kernel(*args):
     _check_backward(*args)
-    return _fused(lora_geglu_mlp_backward_math, *args)
+    return _contiguous(_fused(lora_geglu_mlp_backward_math, *args))
 
 
 _lib.impl("lora_geglu_mlp", _op_kernel, "CompositeExplicitAutograd")
