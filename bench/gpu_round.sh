@@ -11,7 +11,9 @@ set -u
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"env build test bench"}
-TEST_TIMEOUT=${TEST_TIMEOUT:-300}
+# the whole cuda suite (1638 tests) needs about 560 s with -n 10 on the H200 (2026-12-02: cut at 470 s with 25 left,
+# one of them a compile-heavy prefill test); with the 70 s build that is past a 600 s call: give it its own call or -n 12
+TEST_TIMEOUT=${TEST_TIMEOUT:-510}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-360}
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
@@ -54,10 +56,11 @@ stage() {
   return 0
 }
 
-# PYTEST_ARGS replaces "-x -q": pass "-n 8 -v" so that a suite cut by TEST_TIMEOUT still names each failure as it
-# happens (-q there would cancel the -v).
+# PYTEST_ARGS (default: the whole suite on 12 workers): keep -v, so that a suite cut by TEST_TIMEOUT still names
+# each failure as it happens (-q would cancel it); the reasons are printed only when the session ends, so rerun a
+# named failure alone (with --timeout N: pytest-timeout is on the image) to read it.
 # shellcheck disable=SC2086  # the *_ARGS variables are word lists on purpose
-has test && stage tests "$TEST_TIMEOUT" $PY -m pytest -m cuda -rf -p no:cacheprovider ${PYTEST_ARGS:--x -q} tests/
+has test && stage tests "$TEST_TIMEOUT" $PY -m pytest -m cuda -rf -p no:cacheprovider ${PYTEST_ARGS:--n 12 -v --tb=short} tests/
 # shellcheck disable=SC2086
 has bench && stage bench "$BENCH_TIMEOUT" $PY bench/kernels.py --json "$OUT/kernels.json" ${BENCH_ARGS:-}
 # shellcheck disable=SC2086
