@@ -375,12 +375,12 @@ def test_cuda_prefill_is_replayed_from_a_graph_per_width(dtype):
         for length in (5, 11, 5):
             ids = _prompt(model, length=length, seed=length).cuda()
             out = graphed.generate(ids, NEW)
-            assert list(graphed._prefill_graphs) == [16] and graphed._prefill_graphs[16] is not None
+            assert list(graphed.prefill_graphs.graphs) == [16] and graphed.prefill_graphs.graphs[16] is not None
             assert torch.equal(out, eager.generate(ids, NEW))
             if dtype == torch.float32:
                 _assert_stock_argmax(model, out, length)
         unpadded = GreedyDecoder(model, batch_size=2, max_length=64, pad_prefill=False)
-        assert torch.equal(unpadded.generate(ids, NEW)[:, :5], ids) and not unpadded._prefill_graphs
+        assert torch.equal(unpadded.generate(ids, NEW)[:, :5], ids) and not unpadded.prefill_graphs.graphs
 
 
 @pytest.mark.cuda

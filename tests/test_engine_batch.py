@@ -139,6 +139,28 @@ def test_greedy_batched_equals_solo_and_stock(model, chunk, lengths, joins):
     assert engine.stats().kv_slots_in_use == 0 and engine.stats().decode_steps > NEW
 
 
+def test_a_lone_prompt_is_padded_to_its_prefill_width(model):
+    """pad_prefill (the default on CUDA, where the padded call is replayed from a CUDA graph per width): a prompt
+    alone in its prefill call and within one chunk is left-padded to its prefill width, and its tokens stay stock's
+    (fp32); a prompt longer than the chunk is chunked unpadded, as prompts sharing a call are."""
+    from g4ops.engine.decoder import prefill_width
+
+    for length, width in ((3, 16), (11, 16), (20, 32), (40, None)):
+        prompt = _prompt(length, seed=length)
+        engine = BatchEngine(model, max_batch=2, max_context=64, prefill_chunk=32, pad_prefill=True)
+        engine.model = calls = _Calls(model)
+        out = _drive(engine, [(0, prompt, _greedy())])
+        prefills = [s for s in calls.shapes if s[1] > 1]
+        assert prefills == ([(1, width)] if width else [(1, 32), (1, 8)]), length
+        assert width is None or width == prefill_width(length)
+        assert out[0].tokens == _stock(model, prompt), length
+    engine = BatchEngine(model, max_batch=2, max_context=64, prefill_chunk=32, pad_prefill=True)
+    engine.model = calls = _Calls(model)
+    shared = _drive(engine, [(0, _prompt(3, seed=3), _greedy()), (0, _prompt(11, seed=11), _greedy())])
+    assert [s for s in calls.shapes if s[1] > 1] == [(2, 11)]  # one call, padded to the longer prompt only
+    assert [o.tokens for o in shared] == [_stock(model, _prompt(n, seed=n)) for n in (3, 11)]
+
+
 def test_conditional_generation_model_text_only():
     # google/gemma-4-E4B-it loads as Gemma4ForConditionalGeneration: the engine drives its text path
     from g4ops.models import build_multimodal_model
@@ -523,3 +545,24 @@ def test_cuda_threaded_graph_engine_matches_stock():
         assert o.done.wait(120)
         assert o.tokens == ref
     engine.shutdown(timeout=30)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_lone_prompts_replay_the_captured_prefill(dtype):
+    """A prompt alone in its prefill call replays the prefill graph of its width (captured by warmup(), nothing new
+    captured while serving); tokens equal the eager engine's, which pads the same, and in fp32 stock's."""
+    model = build_model("tiny-e4b", dtype=dtype, device="cuda")
+    sched = [(6 * i, _prompt(n, seed=n), _greedy()) for i, n in enumerate((3, 11, 20, 16))]
+    eager = _drive(BatchEngine(model, max_batch=4, max_context=64, prefill_chunk=32, cuda_graph=False), sched)
+    engine = BatchEngine(model, max_batch=4, max_context=64, prefill_chunk=32)
+    engine.warmup()
+    graphs = engine._prefill_graphs.graphs
+    assert set(graphs) == {16, 32} and all(g is not None for g in graphs.values())
+    graphed = _drive(engine, sched)
+    assert set(graphs) == {16, 32}
+    for (_, prompt, _), e, g in zip(sched, eager, graphed):
+        assert g.tokens == e.tokens
+        if dtype == torch.float32:
+            assert g.tokens == _stock(model, prompt)

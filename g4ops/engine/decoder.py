@@ -48,9 +48,10 @@ K_CAPS = (64, 256, 1024)  # top-k candidate sizes a sampling graph may use for t
 _MAX_EOS_IDS = 8  # the EOS ids min_new_tokens holds back live in a fixed-size buffer (the graph's shapes are fixed)
 PREFILL_BACKEND = "inductor"  # torch.compile backend of the compiled prefill (tests on CPU swap in a cheaper one)
 # Prompt widths the prefill is left-padded to, so that one captured CUDA graph serves every prompt length up to it:
-# an eager 42-layer E4B prefill is launch-bound (about 45 ms for 512 tokens on the H200, where its matrix work is
-# about 13 ms). Beyond the last width, or PREFILL_GRAPH_TOKENS rows x width, the prefill runs eagerly: there the
-# work outweighs the launches, and a graph's memory pool would hold the activations of that many tokens for good.
+# an eager 42-layer E4B prefill is launch-bound (45.2 ms to the first token for 512 tokens on the H200, 19.7 ms
+# replayed from a graph: bench/results/2026-12-02-h200-session13.md). Beyond the last width, or PREFILL_GRAPH_TOKENS
+# rows x width, the prefill runs eagerly: there the work outweighs the launches, and a graph's memory pool would
+# hold the activations of that many tokens for good.
 PREFILL_WIDTHS = (16, 32, 64, 128, 256, 512, 1024)
 PREFILL_GRAPH_TOKENS = 8192
 
@@ -58,6 +59,50 @@ PREFILL_GRAPH_TOKENS = 8192
 def prefill_width(prompt: int, batch: int = 1) -> int:
     """The width a prompt of `prompt` tokens is left-padded to for a captured prefill (itself if none fits)."""
     return next((w for w in PREFILL_WIDTHS if w >= prompt and w * batch <= PREFILL_GRAPH_TOKENS), prompt)
+
+
+class PrefillGraphs:
+    """`fn(*tensors)` replayed from a CUDA graph per key (a prefill width): the first call of a key runs `fn`
+    eagerly on a side stream (the call's real work, and the capture's warm-up: lazy kernel loads, cuBLAS
+    workspaces), then records it; recording runs nothing, so what that call wrote (the KV cache) stays. Later calls
+    copy their tensors into the recorded inputs and replay. A key whose capture fails runs eagerly from then on,
+    after one warning. The output of a replay is the graph's own tensor: read it before the next call."""
+
+    def __init__(self, fn, what: str):
+        self.fn, self.what = fn, what
+        self.graphs: dict = {}  # key -> (graph, recorded inputs, recorded output), or None: eager
+        self._pool = None  # one memory pool for every key: the calls never overlap
+
+    def __call__(self, key, *tensors: torch.Tensor):
+        if key in self.graphs:
+            entry = self.graphs[key]
+            if entry is None:
+                return self.fn(*tensors)
+            graph, recorded, output = entry
+            for r, t in zip(recorded, tensors):
+                r.copy_(t)
+            graph.replay()
+            return output
+        recorded = [t.clone() for t in tensors]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            first = self.fn(*recorded)
+        torch.cuda.current_stream().wait_stream(side)
+        first = first.clone()  # used on this stream from here on
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                output = self.fn(*recorded)
+        except RuntimeError as e:
+            logger.warning("g4ops: %s (%s) could not be captured as a CUDA graph and runs eagerly: %s", self.what,
+                           key, e)  # fmt: skip
+            torch.cuda.synchronize()
+            self.graphs[key] = None
+            return first
+        self._pool = graph.pool()
+        self.graphs[key] = (graph, recorded, output)
+        return first
 
 
 def compiled_prefill(fn, dynamic_dims: dict[int, tuple[int, ...]]):
@@ -195,8 +240,7 @@ class Decoder:
                            else self._prefill_logits)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pad_prefill = self.device.type == "cuda" and not compile_prefill if pad_prefill is None else pad_prefill
-        # width -> (graph, its input ids, its logits), or None where capturing failed (that width runs eagerly)
-        self._prefill_graphs: dict[int, tuple | None] = {}
+        self.prefill_graphs = PrefillGraphs(self._prefill_logits, "the Decoder's prefill")  # one per width
         # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns until 5.40)
         params = inspect.signature(type(model).forward).parameters
         self._cache_kwarg = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
@@ -343,7 +387,7 @@ class Decoder:
         width = input_ids.shape[1]
         graphable = width in PREFILL_WIDTHS and width * input_ids.shape[0] <= PREFILL_GRAPH_TOKENS
         if self.use_graph and self.pad_prefill and graphable:
-            return self._graphed_prefill(input_ids)
+            return self.prefill_graphs(width, input_ids)
         try:
             return self.prefill_fn(input_ids)
         except Exception as e:  # noqa: BLE001 - any compiler failure: the eager prefill still works
@@ -355,40 +399,6 @@ class Decoder:
                            type(e).__name__, e)  # fmt: skip
             self.prefill_fn = self._prefill_logits
             return self.prefill_fn(input_ids)
-
-    def _graphed_prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The prefill's model call replayed from the graph of its width; the first call of a width runs it eagerly
-        on a side stream (also the capture's warm-up: lazy kernel loads, cuBLAS workspaces) and then records it.
-        Recording runs nothing, so the cache keeps what the eager call wrote."""
-        width = input_ids.shape[1]
-        if width in self._prefill_graphs:
-            entry = self._prefill_graphs[width]
-            if entry is None:  # its capture failed once: eager from then on
-                return self._prefill_logits(input_ids)
-            graph, static_ids, logits = entry
-            static_ids.copy_(input_ids)
-            graph.replay()
-            return logits
-        static_ids = input_ids.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            first = self._prefill_logits(static_ids)
-        torch.cuda.current_stream().wait_stream(side)
-        first = first.clone()  # used on this stream from here on
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._prefill_logits(static_ids)
-        except RuntimeError as e:
-            logger.warning("g4ops: the prefill of width %d could not be captured as a CUDA graph and runs eagerly: "
-                           "%s", width, e)  # fmt: skip
-            torch.cuda.synchronize()
-            self._prefill_graphs[width] = None
-            return first
-        self._pool = graph.pool()
-        self._prefill_graphs[width] = (graph, static_ids, logits)
-        return first
 
     def _set_sampling(self, do_sample: bool, temperature, top_k, top_p, min_p) -> None:
         """Copy one call's sampling settings (scalars or [B] per row) into the step's buffers; choose the mode."""
@@ -582,7 +592,7 @@ class _Stops:
         ends_here = (self.finished_at < 0) & (first_eos < k)
         self.finished_at = torch.where(ends_here, self.length + first_eos, self.finished_at)
         done = bool((self.finished_at >= 0).all())
-        if done:  # the loop would stop after the column that finished the last row
+        if done and ends_here.any():  # the loop would stop after the column that finished the last row
             k = int(first_eos[ends_here].max()) + 1
         self.tokens.append(columns[:, :k])
         self.length += k
