@@ -50,10 +50,12 @@ bf16 MLP with fp32 adapters it kept fp32 copies of x and h, as peft's autograd d
 from the trace of the same `native_dropout` calls, so from the backend's generator: aot_eager runs ATen's (a seeded
 step draws peft's masks), Inductor its own (the masks compiled stock peft draws with the same seed, not eager mode's,
 unless `torch._inductor.config.fallback_random`).
-That traced path is on where it was tested: torch >= 2.13 (CPU, 2026-12-01). Under torch 2.11 it is wrong: the
-MLP's input gradient comes back all zeros (`G4OPS_LORA_TRACE=1 bash .ci/gpu-image-stack tests/test_lora_compile.py`
-on CPU, 2026-12-01; on the H200 the same tests failed), so there a compiled model keeps calling the op (tested on
-CUDA, the 9666 tok/s above). `G4OPS_LORA_TRACE=1` turns the traced path on anyway (to test it), `=0` off.
+That traced path is on by default where it was tested: torch >= 2.13 (CPU, 2026-12-01). Under torch 2.11 every
+gradient came back all zeros (pytorch issue 180642: the output's gradient routed to another slot), until the
+traced forward returned a fresh tensor (2026-12-02: `G4OPS_LORA_TRACE=1 bash .ci/gpu-image-stack
+tests/test_lora_compile.py` passes on CPU). It stays off by default below 2.13 until a GPU run has timed its first
+compiled step (a 42-layer one did not finish within 300 s on the H200, 2026-12-01), so there a compiled model calls
+the op (tested on CUDA, the 9666 tok/s above). `G4OPS_LORA_TRACE=1` turns the traced path on, `=0` off.
 
 Not implemented, so peft's own forward runs and `geglu_mlp` below says why once at INFO on the "g4ops" logger:
 LoRA variants (DoRA, aLoRA, ... anything in peft's `lora_variant`), `lora_bias`, a dropout module other than a
@@ -424,7 +426,11 @@ class _TracedLoraGeglu(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scaling, counts, dropout, x, w_gate, w_up, w_down, *tensors):
-        return _save(ctx, lora_geglu_mlp_forward_math, scaling, counts, dropout, x, w_gate, w_up, w_down, tensors)
+        out = _save(ctx, lora_geglu_mlp_forward_math, scaling, counts, dropout, x, w_gate, w_up, w_down, tensors)
+        # A fresh tensor, not the math's last intermediate itself: torch 2.11's Dynamo can route the output's
+        # gradient to another slot when the returned tensor is an intermediate it also collects (pytorch issue
+        # 180642), and the backward then got zeros (all-zero gradients, reproduced on CPU). Inductor fuses the copy.
+        return out.clone()
 
     @staticmethod
     def backward(ctx, grad_out):
