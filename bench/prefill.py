@@ -7,9 +7,8 @@ BatchEngine's prefill call.
 Per variant (eager; graphed: the prompt left-padded to its prefill width and replayed from a CUDA graph per width,
 the default on CUDA; compiled) it reports the first call's seconds (the capture or the compile) and, per length, the
 median of `--calls` timed prefills (device-synchronised), and whether the first token equals the eager one's. The
-compiled
-variant should compile once for every length (Decoder: one graph; engine: the 1-row graph); `graphs` reports
-Dynamo's unique graph count after each variant.
+compiled variant should compile once for every length (Decoder: one graph; engine: the 1-row graph); `graphs`
+reports Dynamo's unique graph count after each variant.
 """
 
 from __future__ import annotations
