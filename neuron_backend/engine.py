@@ -84,6 +84,7 @@ class NeuronEngine(BatchEngine):
         self._thread: threading.Thread | None = None
         self._rows: list[_Request | None] = [None] * rows
         self._prefilling: collections.deque[_Request] = collections.deque()
+        self._launched = None  # this backend's decode call returns its tokens: no step is ever left in flight
 
     # -- the public side: BatchEngine's, plus what this backend cannot do -----------------------------------------
     def submit(self, prompt_ids, params: SamplingParams, on_event) -> int:

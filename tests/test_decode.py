@@ -386,8 +386,8 @@ def test_cuda_prefill_is_replayed_from_a_graph_per_width(dtype):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_cuda_decoder_captures_the_uncompiled_step_when_compiling_fails(caplog):
-    """A step torch.compile cannot build (simulated) costs speed, never the call: the warm-up logs why, captures the
-    uncompiled step, and the tokens are the eager step's."""
+    """A step model call torch.compile cannot build (simulated) costs speed, never the call: the warm-up logs why,
+    captures the uncompiled call, and the tokens are the eager step's."""
     import logging
 
     model = build_model("tiny-e4b", device="cuda")
@@ -397,11 +397,12 @@ def test_cuda_decoder_captures_the_uncompiled_step_when_compiling_fails(caplog):
     def refused():
         raise RuntimeError("simulated compiler failure")
 
-    decoder.step_fn = refused
+    decoder.logits_fn = refused
     with caplog.at_level(logging.WARNING, logger="g4ops"):
         out = decoder.generate(ids, NEW)
-    assert "compiling the decode step failed" in caplog.text and "simulated compiler failure" in caplog.text
-    assert decoder.step_fn == decoder._step and decoder.graph is not None
+    assert "compiling the decode step's model call failed" in caplog.text
+    assert "simulated compiler failure" in caplog.text
+    assert decoder.logits_fn == decoder._step_logits and decoder.graph is not None
     assert torch.equal(out, GreedyDecoder(model, batch_size=2, max_length=64, cuda_graph=False).generate(ids, NEW))
 
 

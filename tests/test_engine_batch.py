@@ -208,7 +208,43 @@ def test_join_does_not_wait_for_the_batch(model):
     for _ in range(3):  # one iteration: admission + prefill (first token) + a decode step with both rows
         engine.step()
     assert second.reason == "length" and not first.done.is_set()  # b came and went while a keeps running
-    assert len(first.tokens) == 1 + 4 + 3  # prefill token, then one per decode step
+    # the prefill's token, then one per decode step, read one step behind: the last step launched is not read yet
+    assert len(first.tokens) == 1 + 4 + 3 - 1
+
+
+def test_the_next_step_runs_while_a_step_is_read_back(model):
+    """What the read-back pipeline is for: a decoded token reaches its request after the next step was launched, so
+    the host's work between steps overlaps the device's. A row stops launching at its length (no step in vain); a
+    row ended by a stop token decodes one step in vain, whose token is dropped, and its row serves the next request
+    exactly."""
+    prompt, new = _prompt(5, 4), 6
+    engine = BatchEngine(model, max_batch=2, max_context=64)
+    steps_at_event = []
+
+    def on_event(event):
+        steps_at_event.append(engine.stats().decode_steps)
+        out(event)
+
+    out = Collect()
+    engine.submit(prompt, _greedy(new), on_event)
+    while not out.done.is_set():
+        engine.step()
+    # the prefill's token, then token j (from step j - 1) once step j is launched; the last launches nothing more
+    assert steps_at_event == [0, 2, 3, 4, 5, 5]
+    assert out.tokens == _stock(model, prompt, new)
+
+    # the first decoded token not seen before it ends the next run of the same prompt
+    end = next(j for j in range(1, new - 1) if out.tokens[j] not in out.tokens[:j])
+    stopped, after = Collect(), Collect()
+    engine.submit(prompt, _greedy(new, stop_token_ids=[out.tokens[end]]), stopped)
+    while not stopped.done.is_set():
+        engine.step()
+    assert stopped.tokens == out.tokens[: end + 1] and stopped.reason == "stop"
+    later = _prompt(5, 5)
+    engine.submit(later, _greedy(8), after)  # takes row 0 again, after the step in vain wrote its next slot
+    while not after.done.is_set():
+        engine.step()
+    assert after.tokens == _stock(model, later, 8)
 
 
 # -- sampling ------------------------------------------------------------------------------------------------------

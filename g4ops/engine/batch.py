@@ -37,7 +37,8 @@ compiler failure leaves the prefill eager with one warning. `pad_prefill` (defau
 is compiled): a prompt that is alone in its prefill call and fits one chunk is left-padded to its
 decoder.prefill_width, and on CUDA that call is replayed from a CUDA graph per width (decoder.PrefillGraphs; captured
 by `warmup()`, else at a width's first use): the Decoder's 512-token prefill went from 45.2 to 19.7 ms that way on
-the H200. The host reads the step's tokens back once per step (each token is an event).
+the H200. The host reads each step's tokens back (each token is an event) while the device runs the next step: a
+row whose token ends it decodes one step in vain, in its own slots, and that token is dropped.
 
 Exactness: in fp32 a greedy request's tokens are its solo run's and stock `generate(do_sample=False)`'s, up to the
 order attention sums over the keys (engine/decoder.py's note), and up to the batched matmuls' rounding for other rows in
@@ -290,6 +291,16 @@ class _Request:
     row: int = -1
     prefilled: int = 0  # prompt tokens in the cache
     generated: int = 0  # tokens emitted
+    in_flight: int = 0  # launched decode steps holding a token of it not read back yet (0 or 1 between steps)
+
+
+@dataclasses.dataclass
+class _LaunchedStep:
+    """A decode step launched and not read back: the requests it decodes, by row, and its tokens' copy."""
+
+    rows: list[tuple[int, _Request]]
+    tokens: torch.Tensor  # [b]: next_ids after the step (a pinned host buffer on CUDA)
+    done: torch.cuda.Event | None  # recorded after the copy (CUDA)
 
 
 def _buckets(max_batch: int) -> list[int]:
@@ -383,6 +394,11 @@ class BatchEngine:
         # engine-thread state
         self._rows: list[_Request | None] = [None] * rows
         self._prefilling: collections.deque[_Request] = collections.deque()
+        self._launched: _LaunchedStep | None = None
+        # two pinned buffers the step's tokens are copied into, alternately: one step is read while the next runs
+        pinned = self.device.type == "cuda"
+        self._readback = [torch.empty(rows, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._readback_turn = 0
 
     # -- the public, thread-safe side ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -479,7 +495,7 @@ class BatchEngine:
             if self._prefilling:
                 self._prefill()
                 worked = True
-            if any(r is not None and r.prefilled == len(r.prompt) for r in self._rows):
+            if self._launched is not None or any(self._decodes(r) for r in self._rows):
                 self._decode()
                 worked = True
             return worked
@@ -641,8 +657,26 @@ class BatchEngine:
         k_cap = next((c for c in K_CAPS if all(0 < p.top_k <= c for p in sampled)), None)
         return True, any(p.seed is not None for p in sampled), k_cap
 
+    @staticmethod
+    def _decodes(req: _Request | None) -> bool:
+        """Whether the next step decodes this row: prefilled, and its token in flight (if any) not its last by length
+        (that row would write past its request's slots; a row whose in-flight token turns out to end it decodes one
+        step in vain, inside its own slots)."""
+        return (req is not None and req.prefilled == len(req.prompt)
+                and req.generated + req.in_flight < req.params.max_new_tokens)  # fmt: skip
+
     def _decode(self) -> None:
-        rows = [i for i, r in enumerate(self._rows) if r is not None and r.prefilled == len(r.prompt)]
+        """Launch the next decode step, then emit the tokens of the one launched before: the host reads one step
+        back while the device runs the next, so what the host does between steps (emitting tokens, admitting,
+        this loop) does not leave the GPU idle."""
+        previous, self._launched = self._launched, None
+        rows = [i for i, r in enumerate(self._rows) if self._decodes(r)]
+        if rows:
+            self._launch(rows)
+        if previous is not None:
+            self._emit_step(previous)
+
+    def _launch(self, rows: list[int]) -> None:
         b = next(k for k in self.buckets if k > rows[-1])
         mode = self._mode([self._rows[i] for i in rows])
         graph = None
@@ -657,7 +691,13 @@ class BatchEngine:
                 graph.replay()
             else:
                 self._run_step(b, mode)
-            tokens = self.next_ids[:b, 0].tolist()
+            tokens = self._readback[self._readback_turn][:b]
+            self._readback_turn ^= 1
+            tokens.copy_(self.next_ids[:b, 0], non_blocking=tokens.is_pinned())
+            done = None
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
         except Exception as e:  # noqa: BLE001 - the step's rows fail; the engine stays up
             log.exception("BatchEngine: decode step failed")
             for i in rows:
@@ -666,7 +706,26 @@ class BatchEngine:
         with self._lock:
             self._steps += 1
         for i in rows:
-            self._emit_token(self._rows[i], tokens[i])
+            self._rows[i].in_flight += 1
+        self._launched = _LaunchedStep([(i, self._rows[i]) for i in rows], tokens, done)
+
+    def _emit_step(self, step: _LaunchedStep) -> None:
+        """Emit a launched step's tokens to the requests that still hold their rows (one cancelled or ended since
+        gets nothing)."""
+        try:
+            if step.done is not None:
+                step.done.synchronize()
+            tokens = step.tokens.tolist()
+        except Exception as e:  # noqa: BLE001 - the step's rows fail; the engine stays up
+            log.exception("BatchEngine: decode step failed")
+            for i, req in step.rows:
+                if req.row == i:
+                    self._finish(req, None, "error", f"{type(e).__name__}: {e}")
+            return
+        for i, req in step.rows:
+            req.in_flight -= 1
+            if req.row == i:
+                self._emit_token(req, tokens[i])
 
     def _emit_token(self, req: _Request, token: int, activate: bool = False) -> None:
         req.generated += 1

@@ -187,8 +187,9 @@ class Decoder:
 
     `model`: a transformers Gemma4ForCausalLM (or Gemma4ForConditionalGeneration, text only). On CUDA each kind of
     step (greedy; sampling with a top-k candidate size from K_CAPS or the full sort) is captured at its first
-    `generate` (`cuda_graph=False` runs it eagerly, as on other devices). With `compile=True` the step is compiled by
-    torch.compile first (fewer, fused kernels; costs compile time). `compile_prefill=True` runs the
+    `generate` (`cuda_graph=False` runs it eagerly, as on other devices). With `compile=True` the step's model call is
+    compiled by torch.compile first (fewer, fused kernels; costs compile time; the sampler stays eager, so one
+    compilation serves every kind of step). `compile_prefill=True` runs the
     prefill's model call compiled too (`compiled_prefill`: dynamic shapes, one graph for every prompt length but 1;
     eager, a prefill is launch-bound); a compiler failure leaves the prefill eager, with one warning. Off by default:
     on the H200 (2026-12-01, torch 2.11) a routed sampled `generate` with it on printed nothing in about 170 s, where
@@ -235,7 +236,10 @@ class Decoder:
         # ("greedy",) or ("sample", k_cap or None, top-k on, top-p on, min-p on): static, one graph each (a warper
         # no row uses is left out of the graph, as generate leaves it out of its list)
         self.mode = ("greedy",)
-        self.step_fn = torch.compile(self._step, fullgraph=True) if compile else self._step
+        # compile=True compiles the step's model call, not its sampler (as BatchEngine): one compilation serves every
+        # sampling mode, and Inductor's scan over the vocabulary (top-p's cumsum) failed to generate code for a batch
+        # of 4 (H200, torch 2.11, 2026-12-02); the eager sampler's kernels replay from the same CUDA graph
+        self.logits_fn = torch.compile(self._step_logits, fullgraph=True) if compile else self._step_logits
         self.prefill_fn = (compiled_prefill(self._prefill_logits, {0: (1,)}) if compile_prefill  # the length
                            else self._prefill_logits)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -266,7 +270,7 @@ class Decoder:
     def run_step(self):
         """One decode step, not replayed from the graph (what the graph holds, run eagerly or compiled)."""
         with self._step_attention():
-            self.step_fn()
+            self._step()
 
     # -- the step -------------------------------------------------------------------------------------------------
     def _logits_to_next(self, logits: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
@@ -282,14 +286,17 @@ class Decoder:
         return sample(scores, self.temperature, self.top_k if top_k_on else None, self.top_p if top_p_on else None,
                       self.min_p if min_p_on else None, self.greedy_rows, k_cap=k_cap)  # fmt: skip
 
-    def _step(self):
-        """Decode the token in `next_ids` at `position`; leaves the next token in `next_ids` and in `out`."""
+    def _step_logits(self) -> torch.Tensor:
+        """The step's model call: the logits [B, 1, V] of the token in `next_ids` at `position`."""
         position_ids = self.position.view(1, 1) - self.cache.pad  # RoPE positions skip the left padding
-        logits = self.model(
+        return self.model(
             input_ids=self.next_ids, attention_mask=self.cache.decode_masks(), position_ids=position_ids,
             use_cache=True, logits_to_keep=1, **{self._cache_kwarg: self.cache},
         ).logits  # fmt: skip
-        nxt = self._logits_to_next(logits, self.position + 1 - self.prompt_len)
+
+    def _step(self):
+        """Decode the token in `next_ids` at `position`; leaves the next token in `next_ids` and in `out`."""
+        nxt = self._logits_to_next(self.logits_fn(), self.position + 1 - self.prompt_len)
         self.position.add_(1)
         self.out.index_copy_(1, self.position, nxt[:, None])
         self.next_ids.copy_(nxt[:, None])
@@ -307,11 +314,11 @@ class Decoder:
                     try:
                         self.run_step()
                     except Exception as e:  # noqa: BLE001 - any compiler failure: the uncompiled step still works
-                        if self.step_fn == self._step:  # bound methods: equal, never identical
+                        if self.logits_fn == self._step_logits:  # bound methods: equal, never identical
                             raise
-                        logger.warning("g4ops: compiling the decode step failed; it runs as a CUDA graph of the "
-                                       "uncompiled step (slower): %s: %s", type(e).__name__, e)  # fmt: skip
-                        self.step_fn = self._step
+                        logger.warning("g4ops: compiling the decode step's model call failed; it runs as a CUDA graph "
+                                       "of the uncompiled call (slower): %s: %s", type(e).__name__, e)  # fmt: skip
+                        self.logits_fn = self._step_logits
                         self.run_step()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
@@ -319,7 +326,7 @@ class Decoder:
             # into the decoder's own buffers
             try:
                 with torch.cuda.graph(graph, pool=self._pool), self._step_attention():
-                    self.step_fn()
+                    self._step()
             except RuntimeError as e:
                 if self.mode[0] == "greedy":
                     raise
