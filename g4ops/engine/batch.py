@@ -395,9 +395,10 @@ class BatchEngine:
         self._rows: list[_Request | None] = [None] * rows
         self._prefilling: collections.deque[_Request] = collections.deque()
         self._launched: _LaunchedStep | None = None
-        # two pinned buffers the step's tokens are copied into, alternately: one step is read while the next runs
-        pinned = self.device.type == "cuda"
-        self._readback = [torch.empty(rows, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        # two host buffers the step's tokens are copied into, alternately: one step is read while the next runs
+        # (pinned on CUDA, so the copy is asynchronous and an event says when it landed)
+        self._readback = [torch.empty(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
+                          for _ in range(2)]  # fmt: skip
         self._readback_turn = 0
 
     # -- the public, thread-safe side ---------------------------------------------------------------------------
@@ -693,11 +694,13 @@ class BatchEngine:
                 self._run_step(b, mode)
             tokens = self._readback[self._readback_turn][:b]
             self._readback_turn ^= 1
-            tokens.copy_(self.next_ids[:b, 0], non_blocking=tokens.is_pinned())
             done = None
             if self.device.type == "cuda":
+                tokens.copy_(self.next_ids[:b, 0], non_blocking=True)
                 done = torch.cuda.Event()
                 done.record()
+            else:
+                tokens.copy_(self.next_ids[:b, 0])
         except Exception as e:  # noqa: BLE001 - the step's rows fail; the engine stays up
             log.exception("BatchEngine: decode step failed")
             for i in rows:
