@@ -244,3 +244,13 @@ def test_sampling_smoke(tmp_path):
     assert all(r["seed_reproduces"] for r in rows.values() if r["row"] != "greedy-static")
     same = [c for c in res["comparison"] if c["row"] == "greedy-static"]
     assert same and all(c["same_tokens_head"] for c in same)
+
+
+def test_sampler_smoke(tmp_path):
+    out = tmp_path / "sampler.json"
+    _run(["bench/sampler.py", "--device", "cpu", "--smoke", "--json", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:  # every variant ran and was timed (on CPU, the compiled one too)
+        assert {k for k in r if k.endswith("_error")} == set(), r
+        assert all(r[f"{name}_us"] > 0 for name in ("greedy", "card", "card-compiled", "card-sort", "top-k-only"))
