@@ -1,6 +1,7 @@
 """Sampler micro-benchmark: what choosing the next token costs at E4B's vocabulary (262144 entries), per call inside a
-CUDA graph, as a captured decode step runs it. Issue 16's sampled call trails greedy by 0.36 ms per token at batch 1
-(5.64 against 5.28 ms, bench/results/2026-12-02-h200-session14.md); this says how much of that the sampler is.
+CUDA graph, as a captured decode step runs it. Issue 16's default call (sampled, EOS ids) trails the greedy static
+call by 0.36 ms per token at batch 1 (5.64 against 5.28 ms, bench/results/2026-12-02-h200-session14.md); this says
+how much of that the sampler is.
 
 Variants, on softcapped fp32 logits with gemma-4-E4B-it's config (temperature 1, top_k 64, top_p 0.95):
 - `greedy`: the first argmax (greedy's whole token choice);
