@@ -77,13 +77,27 @@ def test_decoder_reuse_and_eos_like_generate():
 
 
 def test_compiled_step_matches_eager_step():
+    """compile=True compiles the step's model call once: greedy and sampling steps share it (the sampler runs eagerly
+    around it), and both give the eager step's tokens."""
+    from torch._dynamo.utils import counters
+
     model = build_model("tiny-e2b")
     ids = _prompt(model)
-    eager = GreedyDecoder(model, batch_size=2, max_length=40).generate(ids, 20)
+    eager_decoder = GreedyDecoder(model, batch_size=2, max_length=40)
+    eager = eager_decoder.generate(ids, 20)
     torch._dynamo.reset()
     # the step only: the compiled prefill has its own tests (tests/test_compiled_prefill.py, cheaper backends)
-    compiled = GreedyDecoder(model, batch_size=2, max_length=40, compile=True, compile_prefill=False).generate(ids, 20)
+    decoder = GreedyDecoder(model, batch_size=2, max_length=40, compile=True, compile_prefill=False)
+    compiled = decoder.generate(ids, 20)
     assert torch.equal(compiled, eager)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1
+    sampling = dict(do_sample=True, temperature=0.8, top_k=5, top_p=0.9)
+    torch.manual_seed(3)
+    sampled = decoder.generate(ids, 20, **sampling)
+    assert counters["stats"]["unique_graphs"] == graphs  # no compilation for the sampling step
+    torch.manual_seed(3)
+    assert torch.equal(sampled, eager_decoder.generate(ids, 20, **sampling))
 
 
 def test_step_attention_is_decode_attention_and_the_config_is_restored(monkeypatch):
