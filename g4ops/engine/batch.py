@@ -399,6 +399,7 @@ class BatchEngine:
         # (pinned on CUDA, so the copy is asynchronous and an event says when it landed)
         self._readback = [torch.empty(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
                           for _ in range(2)]  # fmt: skip
+        self._readback_done = [torch.cuda.Event() for _ in range(2)] if self.device.type == "cuda" else [None] * 2
         self._readback_turn = 0
 
     # -- the public, thread-safe side ---------------------------------------------------------------------------
@@ -692,15 +693,11 @@ class BatchEngine:
                 graph.replay()
             else:
                 self._run_step(b, mode)
-            tokens = self._readback[self._readback_turn][:b]
-            self._readback_turn ^= 1
-            done = None
-            if self.device.type == "cuda":
-                tokens.copy_(self.next_ids[:b, 0], non_blocking=True)
-                done = torch.cuda.Event()
+            turn, self._readback_turn = self._readback_turn, self._readback_turn ^ 1
+            tokens, done = self._readback[turn][:b], self._readback_done[turn]
+            tokens.copy_(self.next_ids[:b, 0], non_blocking=done is not None)
+            if done is not None:
                 done.record()
-            else:
-                tokens.copy_(self.next_ids[:b, 0])
         except Exception as e:  # noqa: BLE001 - the step's rows fail; the engine stays up
             log.exception("BatchEngine: decode step failed")
             for i in rows:
