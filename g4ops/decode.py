@@ -2,16 +2,18 @@
 
 A call goes to the decoder when the decoder reproduces its result: greedy search or sampling (temperature, top-k,
 top-p, min-p: transformers' warpers, bit for bit), with transformers' default (dynamic) or a static cache, over
-left-padded or unpadded prompts, with EOS ids, `min_new_tokens`, `suppress_tokens`, `stop_strings` (with the
-tokenizer), `max_time`, a streamer, and `return_dict_in_generate` without scores. Sampled calls draw from torch's
+left-padded or unpadded prompts, with EOS ids, `min_new_tokens`, `suppress_tokens`, `repetition_penalty` (unpadded
+prompts only), `stop_strings` (with the tokenizer), `max_time`, a streamer, and `return_dict_in_generate` without
+scores. Sampled calls draw from torch's
 generator, so `torch.manual_seed` before the call reproduces the tokens (not stock's tokens for that seed: the
 same distribution). Everything else runs transformers' own generate untouched, and says so once at INFO on the
 "g4ops" logger; `generation_route(model, **kwargs)` answers for a call without running it.
 
 What routing does not keep from stock: a returned `GenerateDecoderOnlyOutput` has no cache (stock returns its
-DynamicCache/StaticCache; the decoder's cache stays with the decoder). On CUDA the step is compiled (torch.compile,
-then captured) for every cache, not only where stock compiles (a static cache): the first call for a batch size and
-length bucket pays the compile time (logged once at INFO); `disable_compile=True` keeps it to the captured graph.
+DynamicCache/StaticCache; the decoder's cache stays with the decoder). On CUDA the step's model call is compiled
+(torch.compile; the step is then captured) for every cache, not only where stock compiles (a static cache): the
+first call for a batch size and length bucket pays the compile time (logged once at INFO); `disable_compile=True`
+keeps it to the captured graph.
 `G4OPS_COMPILE_PREFILL=1` compiles the prefill too (engine.decoder's `compile_prefill`, opt-in until its first-call
 time on a GPU is measured).
 """
@@ -42,7 +44,7 @@ _HANDLED_FIELDS = {
     "max_new_tokens", "max_length", "min_new_tokens", "min_length", "eos_token_id", "pad_token_id", "bos_token_id",
     "cache_implementation", "compile_config", "disable_compile", "suppress_tokens", "do_sample", "temperature",
     "top_k", "top_p", "min_p", "stop_strings", "max_time", "return_dict_in_generate", "max_cache_len",
-    "cache_config",
+    "cache_config", "repetition_penalty",
 }  # fmt: skip
 _IGNORED_FIELDS = {
     "early_stopping", "length_penalty", "diversity_penalty", "num_assistant_tokens", "num_assistant_tokens_schedule",
@@ -51,7 +53,7 @@ _IGNORED_FIELDS = {
 }  # fmt: skip
 _NEUTRAL_VALUES = {  # fields that must hold a value that changes nothing
     "num_beams": (1,), "num_beam_groups": (1,), "num_return_sequences": (1,), "use_cache": (True,),
-    "repetition_penalty": (1.0,), "encoder_repetition_penalty": (1.0,), "no_repeat_ngram_size": (0,),
+    "encoder_repetition_penalty": (1.0,), "no_repeat_ngram_size": (0,),
     "encoder_no_repeat_ngram_size": (0,), "remove_invalid_values": (False,), "renormalize_logits": (False,),
     "output_scores": (False,), "output_logits": (False,), "output_attentions": (False,),
     "output_hidden_states": (False,), "typical_p": (1.0,), "epsilon_cutoff": (0.0,), "eta_cutoff": (0.0,),
@@ -88,7 +90,7 @@ class _Plan:
     eos: list
     pad: int
     compile_step: bool
-    sampling: dict  # Decoder.generate's do_sample, temperature, top_k, top_p, min_p
+    sampling: dict  # Decoder.generate's do_sample, temperature, top_k, top_p, min_p, repetition_penalty
     streamer: object
     stop: tuple | None  # (stop_strings, tokenizer)
     max_time: float | None
@@ -244,6 +246,15 @@ def _plan(model, inputs, generation_config, kwargs):
     sampling = _sampling(config) if do_sample else dict(do_sample=False)
     if isinstance(sampling, str):
         return sampling
+    penalty = config.repetition_penalty
+    if penalty is not None and penalty != 1.0:
+        if not (isinstance(penalty, float) and penalty > 0):
+            return f"repetition_penalty={penalty!r} (RepetitionPenaltyLogitsProcessor takes a float > 0; stock raises)"
+        mask = given.get("attention_mask")
+        if mask is not None and not bool(mask.bool().all()):
+            return ("repetition_penalty with a left-padded batch (transformers 5.24 leaves the padding out of the "
+                    "penalty, earlier releases count it)")  # fmt: skip
+        sampling = dict(sampling, repetition_penalty=penalty)
     prompt = ids.shape[1]
     new = config.max_new_tokens if config.max_new_tokens is not None else (config.max_length or 0) - prompt
     if new < 1:

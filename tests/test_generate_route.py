@@ -18,6 +18,7 @@ import torch
 import g4ops
 import g4ops.decode as decode
 from g4ops.models import build_model, tiny_tokenizer
+from devices import DEVICES
 
 pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
 
@@ -161,7 +162,7 @@ def test_stop_strings_max_time_and_return_dict_like_stock(model, routing):
     [
         (dict(num_beams=2), "num_beams"),
         (dict(return_dict_in_generate=True, output_scores=True), "output_scores"),
-        (dict(repetition_penalty=1.3), "repetition_penalty"),
+        (dict(repetition_penalty=1.3, attention_mask="left-padded"), "repetition_penalty"),
         (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
         (dict(do_sample=True, typical_p=0.5), "typical_p"),
         (dict(do_sample=True, temperature=0.0), "temperature"),
@@ -189,6 +190,7 @@ def test_unsupported_arguments_run_stock_and_say_why(model, routing, kw, names):
         "processor": lambda: LogitsProcessorList([MinLengthLogitsProcessor(3, eos_token_id=1)]),
         "criterion": lambda: StoppingCriteriaList([MaxLengthCriteria(max_length=20)]),
         "right-padded": lambda: torch.ones_like(ids).index_fill_(1, torch.tensor([ids.shape[1] - 1]), 0),
+        "left-padded": lambda: torch.ones_like(ids).index_put_((torch.tensor([0]), torch.tensor([0])), torch.tensor(0)),
         "image": lambda: torch.zeros_like(ids).index_fill_(1, torch.tensor([2]), 1),
         "cache": lambda: DynamicCache(config=model.config),
         "embeds": lambda: torch.randn(2, ids.shape[1], model.config.hidden_size),
@@ -209,10 +211,63 @@ def test_a_stock_call_logs_its_reason_once(model, routing, caplog):
     decode._logged_reasons.clear()
     with caplog.at_level(logging.INFO, logger="g4ops"):
         for _ in range(2):
-            _gen(model, ids, mask, max_new_tokens=2, repetition_penalty=1.3)
+            _gen(model, ids, mask, max_new_tokens=2, no_repeat_ngram_size=2)
     assert not _routed(model)
     logged = [r.getMessage() for r in caplog.records if r.name == "g4ops"]
-    assert len(logged) == 1 and "repetition_penalty=1.3" in logged[0], logged
+    assert len(logged) == 1 and "no_repeat_ngram_size=2" in logged[0], logged
+
+
+@pytest.mark.parametrize("cache", [None, "static"], ids=["default-cache", "static"])
+def test_repetition_penalty_routes_and_equals_stock(model, routing, cache):
+    """An unpadded batch with repetition_penalty runs on the decoder: greedy tokens equal stock's (a penalty strong
+    enough to change them), and a sampled call reproduces with its seed."""
+    ids = _prompts(batch=2)[0][:, -5:]  # the unpadded tail of each prompt
+    kw = dict(max_new_tokens=12, eos_token_id=1, min_new_tokens=12)
+    kw.update(dict(cache_implementation=cache) if cache else {})
+    plain = _gen(model, ids, torch.ones_like(ids), do_sample=False, **kw)
+    ref = _gen(model, ids, torch.ones_like(ids), do_sample=False, repetition_penalty=3.0, **kw)
+    assert not torch.equal(plain, ref)  # the penalty changes the tokens
+    g4ops.enable()
+    route = g4ops.generation_route(model, input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   repetition_penalty=3.0, **kw)  # fmt: skip
+    assert route.routed, route
+    out = _gen(model, ids, torch.ones_like(ids), do_sample=False, repetition_penalty=3.0, disable_compile=True, **kw)
+    assert _routed(model) and torch.equal(out, ref), (out, ref)
+    decoder = vars(model)["_g4ops_decoder"][1]
+    assert decoder.penalized
+    sampled = []
+    for seed in (4, 4):
+        torch.manual_seed(seed)
+        sampled.append(_gen(model, ids, None, do_sample=True, top_k=20, repetition_penalty=1.5, **kw))
+    assert torch.equal(sampled[0], sampled[1])
+    assert torch.equal(_gen(model, ids, None, do_sample=False, **kw), plain) and not decoder.penalized
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_penalty_equals_transformers_processor(device):
+    """Decoder._penalize against RepetitionPenaltyLogitsProcessor on the same ids and fp32 scores on the same device,
+    bit for bit: negative and positive scores, repeated ids, ids past the vocabulary, and `out` holding stale ids past
+    the sequence and the decoder's own padding before it."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from g4ops.engine.decoder import Decoder
+
+    g = torch.Generator().manual_seed(0)
+    vocab, length, extra, last = 50, 24, 3, 15
+    out = torch.randint(0, vocab, (2, length), generator=g)
+    out[1, 6] = out[1, 7] = 9  # a repeated id
+    out[0, 8] = vocab + 4  # an id past the lm_head's vocabulary (HF drops it)
+    out = out.to(device)
+    decoder = Decoder.__new__(Decoder)  # _penalize reads only these
+    decoder.out, decoder.device = out, torch.device(device)
+    decoder.seen_from = torch.tensor([extra], device=device)
+    for penalty in (1.3, 0.7):
+        decoder.penalty = torch.tensor([penalty], device=device)
+        scores = (torch.randn(2, vocab, generator=g) * 3).to(device)
+        ref = RepetitionPenaltyLogitsProcessor(penalty)(out[:, extra : last + 1], scores.clone())
+        got = decoder._penalize(scores, torch.tensor([last], device=device))
+        assert torch.equal(got, ref)
+        assert not torch.equal(got, scores)
 
 
 def _chi2_bound(df: int, z: float = 4.0) -> float:
@@ -361,3 +416,20 @@ def test_cuda_compile_prefill_switch_reaches_the_routed_decoder(monkeypatch):
         decoder = vars(model)["_g4ops_decoder"][1]
         assert decoder.prefill_fn != decoder._prefill_logits
     assert torch.equal(ours, stock)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_repetition_penalty_is_graphed_and_equals_stock():
+    """A penalised greedy call (fp32, unpadded) on the captured step: stock's tokens, and a graph of its own beside
+    the unpenalised one."""
+    model = build_model("tiny-e4b", device="cuda")
+    ids = _prompts(batch=2)[0][:, -5:].cuda()
+    kw = dict(max_new_tokens=40, do_sample=False, eos_token_id=1, min_new_tokens=40, disable_compile=True)
+    ref = _gen(model, ids, None, repetition_penalty=2.0, **kw)
+    with g4ops.enable():
+        plain = _gen(model, ids, None, **kw)
+        out = _gen(model, ids, None, repetition_penalty=2.0, **kw)
+        decoder = vars(model)["_g4ops_decoder"][1]
+        assert decoder.graphs.get((("greedy",), True)) is not None and decoder.graphs.get((("greedy",), False))
+    assert torch.equal(out, ref) and not torch.equal(out, plain)

@@ -19,12 +19,12 @@ H200 it took 16 us per sliding layer and 56 us per full layer, where a whole lay
 Exactness: the modules and dtypes are stock's, so the logits equal stock's up to attention's rounding: the order in
 which it sums over the cached keys (the ring is not in position order, and masked slots differ in number), and
 decode_attention keeps the probabilities in fp32 where some of stock's SDPA kernels round them to 16 bits. The token
-is chosen from the fp32 copy of the logits, as `generate` does: EOS held back for `min_new_tokens` and
-`suppress_tokens` first, then greedy's first argmax or the sampler (temperature, top-k, top-p, min-p as
-transformers' warpers, bit for bit). Sampling draws from torch's generator of the model's device, inside the graph
-(philox offsets advance per replay), so `torch.manual_seed(s)` before `generate` reproduces its tokens; they are
-not stock's tokens for that seed (stock draws with `torch.multinomial`, a host-synchronising op), only the same
-distribution. Prompts of different lengths come left-padded, as for stock.
+is chosen from the fp32 copy of the logits, as `generate` does: the repetition penalty (if on), EOS held back
+for `min_new_tokens` and `suppress_tokens` first, then greedy's first argmax or the sampler (temperature, top-k,
+top-p, min-p as transformers' warpers, bit for bit). Sampling draws from torch's generator of the model's device,
+inside the graph (philox offsets advance per replay), so `torch.manual_seed(s)` before `generate` reproduces its
+tokens; they are not stock's tokens for that seed (stock draws with `torch.multinomial`, a host-synchronising op),
+only the same distribution. Prompts of different lengths come left-padded, as for stock.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 import time
 
 import torch
@@ -236,6 +237,11 @@ class Decoder:
         # ("greedy",) or ("sample", k_cap or None, top-k on, top-p on, min-p on): static, one graph each (a warper
         # no row uses is left out of the graph, as generate leaves it out of its list)
         self.mode = ("greedy",)
+        # per call: repetition_penalty (RepetitionPenaltyLogitsProcessor) over the ids so far, out[:, seen_from:];
+        # `penalized` is static (a graph with it and one without, as the modes)
+        self.penalty = torch.ones(1, device=dev)
+        self.seen_from = torch.zeros(1, dtype=torch.long, device=dev)  # the prompt's first column in `out`
+        self.penalized = False
         # compile=True compiles the step's model call, not its sampler (as BatchEngine): one compilation serves every
         # sampling mode, and Inductor's scan over the vocabulary (top-p's cumsum) failed to generate code for a batch
         # of 4 (H200, torch 2.11, 2026-12-02); the eager sampler's kernels replay from the same CUDA graph
@@ -259,9 +265,14 @@ class Decoder:
                     self._attention_configs.append(config)
 
     @property
+    def graph_key(self) -> tuple:
+        """Which captured step runs: the token choice (`mode`) and whether the repetition penalty is on."""
+        return self.mode, self.penalized
+
+    @property
     def graph(self):
-        """The graph of the current mode's step, once captured (None before, and off CUDA)."""
-        return self.graphs.get(self.mode)
+        """The graph of the current kind of step, once captured (None before, and off CUDA)."""
+        return self.graphs.get(self.graph_key)
 
     def _step_attention(self):
         """The step's attention implementation, only while the step is traced, captured or run eagerly."""
@@ -273,9 +284,13 @@ class Decoder:
             self._step()
 
     # -- the step -------------------------------------------------------------------------------------------------
-    def _logits_to_next(self, logits: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
-        """`generated`: new tokens before this one ([1] device tensor)."""
+    def _logits_to_next(self, logits: torch.Tensor, generated: torch.Tensor, seen_to: torch.Tensor | int
+                        ) -> torch.Tensor:  # fmt: skip
+        """`generated`: new tokens before this one ([1] device tensor); `seen_to`: the column of `out` holding the
+        last id so far."""
         last = logits[:, -1].float()  # as generate: fp32 copy of the last position
+        if self.penalized:  # generate's first processor; the -inf fills below are unchanged by it either way
+            last = self._penalize(last, seen_to)
         if self.suppress.numel():
             last = last.index_fill(-1, self.suppress, float("-inf"))
         held = last.index_fill(-1, self.hold_ids, float("-inf"))
@@ -285,6 +300,19 @@ class Decoder:
         _, k_cap, top_k_on, top_p_on, min_p_on = self.mode
         return sample(scores, self.temperature, self.top_k if top_k_on else None, self.top_p if top_p_on else None,
                       self.min_p if min_p_on else None, self.greedy_rows, k_cap=k_cap)  # fmt: skip
+
+    def _penalize(self, scores: torch.Tensor, seen_to: torch.Tensor | int) -> torch.Tensor:
+        """RepetitionPenaltyLogitsProcessor on fp32 scores [B, V]: the score of every id in the sequence so far
+        (out[:, seen_from : seen_to + 1]) is multiplied by the penalty where negative and divided by it otherwise,
+        with the arithmetic `score * float` and `score / float` do on this device (CUDA divides by multiplying
+        with the fp32 reciprocal, as engine.sampler's temperature). Fixed shapes: a mask over the whole `out`."""
+        vocab = scores.shape[-1]
+        columns = torch.arange(self.out.shape[1], device=self.device)
+        valid = (columns >= self.seen_from) & (columns <= seen_to) & (self.out < vocab)  # HF drops ids past V
+        seen = torch.zeros_like(scores).scatter_reduce_(1, self.out.clamp(max=vocab - 1), valid.to(scores.dtype),
+                                                         "amax") > 0  # fmt: skip
+        divided = scores * (1.0 / self.penalty) if self.device.type == "cuda" else scores / self.penalty
+        return torch.where(seen, torch.where(scores < 0, scores * self.penalty, divided), scores)
 
     def _step_logits(self) -> torch.Tensor:
         """The step's model call: the logits [B, 1, V] of the token in `next_ids` at `position`."""
@@ -296,7 +324,7 @@ class Decoder:
 
     def _step(self):
         """Decode the token in `next_ids` at `position`; leaves the next token in `next_ids` and in `out`."""
-        nxt = self._logits_to_next(self.logits_fn(), self.position + 1 - self.prompt_len)
+        nxt = self._logits_to_next(self.logits_fn(), self.position + 1 - self.prompt_len, self.position)
         self.position.add_(1)
         self.out.index_copy_(1, self.position, nxt[:, None])
         self.next_ids.copy_(nxt[:, None])
@@ -328,16 +356,16 @@ class Decoder:
                 with torch.cuda.graph(graph, pool=self._pool), self._step_attention():
                     self._step()
             except RuntimeError as e:
-                if self.mode[0] == "greedy":
+                if self.graph_key == (("greedy",), False):
                     raise
-                # a sampling op this torch cannot capture: the step still runs, eagerly, and says so
-                logger.warning("g4ops: the sampling decode step %s could not be captured as a CUDA graph and runs "
-                               "eagerly (slow): %s", self.mode, e)  # fmt: skip
+                # a sampling or penalty op this torch cannot capture: the step still runs, eagerly, and says so
+                logger.warning("g4ops: the decode step %s could not be captured as a CUDA graph and runs "
+                               "eagerly (slow): %s", self.graph_key, e)  # fmt: skip
                 torch.cuda.synchronize()
-                self.graphs[self.mode] = None
+                self.graphs[self.graph_key] = None
                 return
             self._pool = graph.pool()
-        self.graphs[self.mode] = graph
+        self.graphs[self.graph_key] = graph
 
     # -- generation -----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -366,9 +394,10 @@ class Decoder:
             input_ids = torch.nn.functional.pad(input_ids, (width - n, 0))  # token 0 in the masked slots
             pad = pad + (width - n)
         self.cache.pad.copy_(pad[:, None])
-        logits = self._run_prefill(input_ids)
-        nxt = self._logits_to_next(logits, torch.zeros_like(self.prompt_len))
         self.out[:, :width] = input_ids
+        self.seen_from.fill_(width - n)  # the ids so far start at the prompt as given, not at the padding added here
+        logits = self._run_prefill(input_ids)
+        nxt = self._logits_to_next(logits, torch.zeros_like(self.prompt_len), width - 1)
         self.out[:, width] = nxt
         self.next_ids.copy_(nxt[:, None])
         self.position.fill_(width)
@@ -433,11 +462,21 @@ class Decoder:
         on = (any(k > 0 for k in ks), bool((values["top_p"] < 1).any()), bool((values["min_p"] > 0).any()))
         self.mode = ("sample", k_cap, *on)
 
+    def _set_penalty(self, repetition_penalty, attention_mask) -> None:
+        if isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, (int, float)) or not (
+                repetition_penalty > 0 and math.isfinite(repetition_penalty)):  # fmt: skip
+            raise ValueError(f"Decoder: repetition_penalty must be a finite number > 0, got {repetition_penalty!r}")
+        self.penalized = repetition_penalty != 1.0
+        if self.penalized and attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("Decoder: repetition_penalty with left-padded prompts is not supported (transformers "
+                             "5.24 leaves the padding out of the penalty, earlier releases count it)")  # fmt: skip
+        self.penalty.fill_(float(repetition_penalty))
+
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None, pad_token_id: int = 0,
                  attention_mask: torch.Tensor | None = None, min_new_tokens: int = 0, do_sample: bool = False,
-                 temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, streamer=None, stop=None,
-                 max_time: float | None = None, start_time: float | None = None):  # fmt: skip
+                 temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty: float = 1.0, streamer=None,
+                 stop=None, max_time: float | None = None, start_time: float | None = None):  # fmt: skip
         """-> [B, prompt + generated] token ids, as `model.generate` returns them: a row is finished by an EOS id or
         by `stop` (a host function of the ids so far [B, L] -> [B] bool, e.g. transformers' StopStringCriteria),
         padded with `pad_token_id` after that, and generation stops once every row is finished, after
@@ -445,7 +484,9 @@ class Decoder:
         (default: now). `streamer` (a transformers BaseStreamer) gets `put(prompt)`, then each step's [B] tokens
         (finished rows padded) as they are produced, then `end()`, as stock calls it. Prompts of different lengths
         come left-padded, with their `attention_mask`. Sampling: `do_sample=True` with `temperature`, `top_k`
-        (0: off), `top_p` (1: off), `min_p` (0: off), each a number or one value per row."""
+        (0: off), `top_p` (1: off), `min_p` (0: off), each a number or one value per row. `repetition_penalty` (1:
+        off; greedy or sampled): generate's RepetitionPenaltyLogitsProcessor over the prompt and the new ids, for
+        unpadded prompts only (transformers 5.24 leaves left padding out of it, earlier releases count it)."""
         start_time = time.time() if start_time is None else start_time
         if input_ids.dim() != 2 or input_ids.shape[0] != self.batch:
             raise ValueError(f"Decoder: input_ids must be [batch={self.batch}, prompt], "
@@ -462,12 +503,13 @@ class Decoder:
             self.hold_ids.copy_(torch.tensor([eos_ids[i % len(eos_ids)] for i in range(_MAX_EOS_IDS)]))
         self.hold_until.fill_(min_new_tokens if eos_ids else 0)
         self._set_sampling(do_sample, temperature, top_k, top_p, min_p)
-        if self.use_graph and self.mode not in self.graphs:
+        self._set_penalty(repetition_penalty, attention_mask)
+        if self.use_graph and self.graph_key not in self.graphs:
             self._capture()
         if streamer is not None:
             streamer.put(input_ids.cpu())
         width = self.prefill(input_ids, attention_mask, new_tokens=max_new_tokens)
-        graph = self.graphs.get(self.mode)
+        graph = self.graphs.get(self.graph_key)
         run = graph.replay if graph is not None else self.run_step
         per_step = streamer is not None or max_time is not None
         reader = _StepReader(self.out, width, lookahead=per_step and self.device.type == "cuda")
