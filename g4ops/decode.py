@@ -29,7 +29,7 @@ import weakref
 import torch
 
 from .engine.decoder import GreedyDecoder  # noqa: F401 - the CLI's name
-from .engine.decoder import Decoder, as_id_list, prefill_width
+from .engine.decoder import PENALTY_WITH_PADDING, Decoder, as_id_list, prefill_width
 
 logger = logging.getLogger("g4ops")
 
@@ -252,8 +252,7 @@ def _plan(model, inputs, generation_config, kwargs):
             return f"repetition_penalty={penalty!r} (RepetitionPenaltyLogitsProcessor takes a float > 0; stock raises)"
         mask = given.get("attention_mask")
         if mask is not None and not bool(mask.bool().all()):
-            return ("repetition_penalty with a left-padded batch (transformers 5.24 leaves the padding out of the "
-                    "penalty, earlier releases count it)")  # fmt: skip
+            return PENALTY_WITH_PADDING
         sampling = dict(sampling, repetition_penalty=penalty)
     prompt = ids.shape[1]
     new = config.max_new_tokens if config.max_new_tokens is not None else (config.max_length or 0) - prompt

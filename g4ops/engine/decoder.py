@@ -41,12 +41,15 @@ import torch
 
 from .. import ops
 from .cache import GraphKVCache, text_attentions
-from .sampler import check_params, sample
+from .sampler import check_params, divide_as_by_float, sample
 
 logger = logging.getLogger("g4ops")
 DECODE_ATTENTION = "g4ops_graph_decode"  # the attention implementation name the step's configs carry
 K_CAPS = (64, 256, 1024)  # top-k candidate sizes a sampling graph may use for the threshold (exact: sampler.warp)
 _MAX_EOS_IDS = 8  # the EOS ids min_new_tokens holds back live in a fixed-size buffer (the graph's shapes are fixed)
+# why a repetition penalty is not taken over left-padded prompts (the Decoder raises it, the generate route says it)
+PENALTY_WITH_PADDING = ("repetition_penalty with left-padded prompts is not supported (transformers 5.24 leaves the "
+                        "padding out of the penalty, earlier releases count it)")  # fmt: skip
 PREFILL_BACKEND = "inductor"  # torch.compile backend of the compiled prefill (tests on CPU swap in a cheaper one)
 # Prompt widths the prefill is left-padded to, so that one captured CUDA graph serves every prompt length up to it:
 # an eager 42-layer E4B prefill is launch-bound (45.2 ms to the first token for 512 tokens on the H200, 19.7 ms
@@ -304,14 +307,14 @@ class Decoder:
     def _penalize(self, scores: torch.Tensor, seen_to: torch.Tensor | int) -> torch.Tensor:
         """RepetitionPenaltyLogitsProcessor on fp32 scores [B, V]: the score of every id in the sequence so far
         (out[:, seen_from : seen_to + 1]) is multiplied by the penalty where negative and divided by it otherwise,
-        with the arithmetic `score * float` and `score / float` do on this device (CUDA divides by multiplying
-        with the fp32 reciprocal, as engine.sampler's temperature). Fixed shapes: a mask over the whole `out`."""
+        with the arithmetic `score * float` and `score / float` do on this device (sampler.divide_as_by_float).
+        Fixed shapes: a mask over the whole `out`."""
         vocab = scores.shape[-1]
         columns = torch.arange(self.out.shape[1], device=self.device)
         valid = (columns >= self.seen_from) & (columns <= seen_to) & (self.out < vocab)  # HF drops ids past V
         seen = torch.zeros_like(scores).scatter_reduce_(1, self.out.clamp(max=vocab - 1), valid.to(scores.dtype),
                                                          "amax") > 0  # fmt: skip
-        divided = scores * (1.0 / self.penalty) if self.device.type == "cuda" else scores / self.penalty
+        divided = divide_as_by_float(scores, self.penalty)
         return torch.where(seen, torch.where(scores < 0, scores * self.penalty, divided), scores)
 
     def _step_logits(self) -> torch.Tensor:
@@ -468,8 +471,7 @@ class Decoder:
             raise ValueError(f"Decoder: repetition_penalty must be a finite number > 0, got {repetition_penalty!r}")
         self.penalized = repetition_penalty != 1.0
         if self.penalized and attention_mask is not None and not bool(attention_mask.bool().all()):
-            raise ValueError("Decoder: repetition_penalty with left-padded prompts is not supported (transformers "
-                             "5.24 leaves the padding out of the penalty, earlier releases count it)")  # fmt: skip
+            raise ValueError(f"Decoder: {PENALTY_WITH_PADDING}")
         self.penalty.fill_(float(repetition_penalty))
 
     @torch.no_grad()

@@ -27,7 +27,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["warp", "sample", "seeded_exponential", "check_params"]
+__all__ = ["warp", "sample", "seeded_exponential", "check_params", "divide_as_by_float"]
+
+
+def divide_as_by_float(scores: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    """`scores / d` as transformers computes it for a Python float d, with d held in an fp32 device tensor
+    (broadcast against scores): CUDA multiplies by the fp32 reciprocal of a CPU scalar, the CPU divides."""
+    return scores * (1.0 / divisor) if scores.device.type == "cuda" else scores / divisor
 
 
 def _row(t: torch.Tensor, b: int, name: str, dtype: torch.dtype, device) -> torch.Tensor:
@@ -62,7 +68,7 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | 
     keep = min(min_tokens_to_keep, v)
 
     # temperature: as `scores / float` computes on each device (CUDA multiplies by the reciprocal of a CPU scalar)
-    scores = scores * (1.0 / temperature)[:, None] if dev.type == "cuda" else scores / temperature[:, None]
+    scores = divide_as_by_float(scores, temperature[:, None])
 
     # top-k: keep every score >= the k-th largest, k = max(top_k, min_tokens_to_keep) clipped to the vocabulary
     if top_k is not None:
