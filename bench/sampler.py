@@ -5,8 +5,9 @@ how much of that the sampler is.
 
 Variants, on softcapped fp32 logits with gemma-4-E4B-it's config (temperature 1, top_k 64, top_p 0.95):
 - `greedy`: the first argmax (greedy's whole token choice);
-- `card`: `g4ops.engine.sampler.sample` with top-k's threshold from a topk of 64 (K_CAPS), top-p over a sort of the
-  vocabulary: eager, what the Decoder and BatchEngine capture;
+- `card`: `g4ops.engine.sampler.sample` with top-k's threshold from the 64 largest values (K_CAPS, a two-stage topk
+  on this vocabulary), top-p over a sort of the vocabulary: eager, what the Decoder and BatchEngine capture;
+- `card-one-topk`: the same with the 64 largest from one torch.topk over the row (the sampler before session 15);
 - `card-compiled`: the same through torch.compile with static shapes (the Decoder compiled its sampler before
   48c8a7b; with a symbolic batch, Inductor failed on top-p's scan at batch 4 on the H200);
 - `card-sort`: top-k's threshold from a sort of the vocabulary (no k cap), eager;
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from decode_attention import time_per_call_us  # bench/decode_attention.py: this script's directory is on sys.path
 
+from g4ops.engine import sampler
 from g4ops.engine.sampler import sample
 
 SOFTCAP = 30.0  # Gemma-4's final_logit_softcapping
@@ -44,9 +46,17 @@ def variants(batch: int, device: str) -> dict:
     def card(logits):
         return sample(logits, temperature, top_k, top_p, None, greedy, k_cap=64)
 
+    def card_one_topk(logits):  # the constant is read when the graph is captured
+        saved, sampler._TOPK_MIN_CHUNKS = sampler._TOPK_MIN_CHUNKS, 1 << 62
+        try:
+            return card(logits)
+        finally:
+            sampler._TOPK_MIN_CHUNKS = saved
+
     return {
         "greedy": lambda logits: logits.argmax(dim=-1),
         "card": card,
+        "card-one-topk": card_one_topk,
         "card-compiled": torch.compile(card, fullgraph=True, dynamic=False),
         "card-sort": lambda logits: sample(logits, temperature, top_k, top_p, None, greedy),
         "top-k-only": lambda logits: sample(logits, temperature, top_k, None, None, greedy, k_cap=64),
