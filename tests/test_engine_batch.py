@@ -139,10 +139,10 @@ def test_greedy_batched_equals_solo_and_stock(model, chunk, lengths, joins):
     assert engine.stats().kv_slots_in_use == 0 and engine.stats().decode_steps > NEW
 
 
-def test_a_lone_prompt_is_padded_to_its_prefill_width(model):
-    """pad_prefill (the default on CUDA, where the padded call is replayed from a CUDA graph per width): a prompt
-    alone in its prefill call and within one chunk is left-padded to its prefill width, and its tokens stay stock's
-    (fp32); a prompt longer than the chunk is chunked unpadded, as prompts sharing a call are."""
+def test_whole_prompts_are_padded_to_a_captured_prefill_shape(model):
+    """pad_prefill (the default on CUDA, where the padded call is replayed from a CUDA graph per shape): a prefill
+    call of whole prompts within one chunk is padded to a batch bucket of rows and the longest prompt's prefill
+    width, and the tokens stay stock's (fp32); a prompt longer than the chunk is chunked unpadded."""
     from g4ops.engine.decoder import prefill_width
 
     for length, width in ((3, 16), (11, 16), (20, 32), (40, None)):
@@ -157,8 +157,17 @@ def test_a_lone_prompt_is_padded_to_its_prefill_width(model):
     engine = BatchEngine(model, max_batch=2, max_context=64, prefill_chunk=32, pad_prefill=True)
     engine.model = calls = _Calls(model)
     shared = _drive(engine, [(0, _prompt(3, seed=3), _greedy()), (0, _prompt(11, seed=11), _greedy())])
-    assert [s for s in calls.shapes if s[1] > 1] == [(2, 11)]  # one call, padded to the longer prompt only
+    assert [s for s in calls.shapes if s[1] > 1] == [(2, 16)]  # one call: 2 rows, the longer prompt's width
     assert [o.tokens for o in shared] == [_stock(model, _prompt(n, seed=n)) for n in (3, 11)]
+    # three whole prompts: a padding row (no real token, it writes only scratch slots) makes the 4-row bucket;
+    # with a 48-token chunk the 4 x 16 shape would pass it, so the three share an unpadded call
+    lengths = (3, 11, 6)
+    for chunk, shape in ((64, (4, 16)), (48, (3, 11))):
+        engine = BatchEngine(model, max_batch=4, max_context=64, prefill_chunk=chunk, pad_prefill=True)
+        engine.model = calls = _Calls(model)
+        three = _drive(engine, [(0, _prompt(n, seed=n), _greedy()) for n in lengths])
+        assert [s for s in calls.shapes if s[1] > 1] == [shape]
+        assert [o.tokens for o in three] == [_stock(model, _prompt(n, seed=n)) for n in lengths]
 
 
 def test_conditional_generation_model_text_only():
@@ -595,9 +604,9 @@ def test_cuda_lone_prompts_replay_the_captured_prefill(dtype):
     engine = BatchEngine(model, max_batch=4, max_context=64, prefill_chunk=32)
     engine.warmup()
     graphs = engine._prefill_graphs.graphs
-    assert set(graphs) == {16, 32} and all(g is not None for g in graphs.values())
+    assert set(graphs) == {(1, 16), (1, 32), (2, 16)} and all(g is not None for g in graphs.values())
     graphed = _drive(engine, sched)
-    assert set(graphs) == {16, 32}
+    assert set(graphs) == {(1, 16), (1, 32), (2, 16)}
     for (_, prompt, _), e, g in zip(sched, eager, graphed):
         assert g.tokens == e.tokens
         if dtype == torch.float32:

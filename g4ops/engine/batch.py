@@ -34,11 +34,13 @@ first-call time is not measured yet) compiles the prefill call's model call too,
 (decoder.compiled_prefill): two graphs for every chunk length and cached length, one for calls of one row and one
 for several (size 1 is specialised; a 1-token chunk is padded to 2), both compiled by `warmup()`; a
 compiler failure leaves the prefill eager with one warning. `pad_prefill` (default: on CUDA, unless the prefill
-is compiled): a prompt that is alone in its prefill call and fits one chunk is left-padded to its
-decoder.prefill_width, and on CUDA that call is replayed from a CUDA graph per width (decoder.PrefillGraphs; captured
-by `warmup()`, else at a width's first use): the Decoder's 512-token prefill went from 45.2 to 19.7 ms that way on
-the H200. The host reads each step's tokens back (each token is an event) while the device runs the next step: a
-row whose token ends it decodes one step in vain, in its own slots, and that token is dropped.
+is compiled): a prefill call of whole prompts (each from its first token, in one chunk) is padded to the smallest
+batch bucket of rows and the decoder.prefill_width of its longest prompt, and on CUDA replayed from a CUDA graph per
+(rows, width) (decoder.PrefillGraphs; captured by `warmup()`, else at a shape's first use): the Decoder's 512-token
+prefill went from 45.2 to 19.7 ms that way on the H200 (until session 15 only a lone prompt was padded; calls of
+several prompts, up to 4 x 512 tokens in the server's 2048-token chunk at concurrency 64, ran eagerly). The host reads
+each step's tokens back (each token is an event) while the device runs the next step: a row whose token ends it
+decodes one step in vain, in its own slots, and that token is dropped.
 
 Exactness: in fp32 a greedy request's tokens are its solo run's and stock `generate(do_sample=False)`'s, up to the
 order attention sums over the keys (engine/decoder.py's note), and up to the batched matmuls' rounding for other rows in
@@ -61,8 +63,8 @@ import torch
 
 from ..models import FULL
 from .cache import text_attentions
-from .decoder import (K_CAPS, PREFILL_WIDTHS, PrefillGraphs, _register_decode_attention, compiled_prefill,
-                      is_compiled, prefill_width, step_attention)
+from .decoder import (K_CAPS, PREFILL_GRAPH_TOKENS, PREFILL_WIDTHS, PrefillGraphs, _register_decode_attention,
+                      compiled_prefill, is_compiled, prefill_width, step_attention)
 from .sampler import sample, seeded_exponential
 
 __all__ = ["BatchEngine", "EngineStats", "QueueFull", "SamplingParams", "SlotKVCache", "TokenEvent"]
@@ -555,9 +557,9 @@ class BatchEngine:
             batch.append((req, n))
             width = max(width, n)
         end = max(r.prefilled + n for r, n in batch)
-        padded = self._padded_width(batch)
+        padded = self._padded_shape(batch)
         if padded is not None:
-            width = end = padded  # full layers read slots [0, width): those past the prompt are masked
+            width = end = padded[1]  # full layers read slots [0, width): those past the prompts are masked
         elif is_compiled(self._prefill_fn, self._prefill_logits):
             # a size of 1 would compile a graph of its own (size 1 is specialised): a 1-token chunk gets one
             # more padding token (it writes to scratch), end = 1 reads one more, masked, slot
@@ -565,6 +567,10 @@ class BatchEngine:
         try:
             ids = [[0] * (width - n) + req.prompt[req.prefilled : req.prefilled + n] for req, n in batch]
             rows = [[r.row for r, _ in batch], [r.prefilled for r, _ in batch], [n for _, n in batch]]
+            # padding rows up to the captured row count: no real token, so they write only scratch slots
+            filler = 0 if padded is None else padded[0] - len(batch)
+            ids += [[0] * width] * filler
+            rows = [rows[0] + [rows[0][0]] * filler, rows[1] + [0] * filler, rows[2] + [0] * filler]
             logits = self._run_prefill(torch.tensor(ids, dtype=torch.long, device=self.device),
                                        torch.tensor(rows, dtype=torch.long, device=self.device), end,
                                        rows[0][0] if len(batch) == 1 else None, graphed=padded is not None)  # fmt: skip
@@ -602,16 +608,15 @@ class BatchEngine:
         ).logits[:, -1].float()  # fmt: skip
 
     def _warm_prefill(self) -> None:
-        """Capture the prefill graph of every width a lone prompt can be padded to (pad_prefill on CUDA); compile
-        the prefill graphs of a 1-row call and of a several-row call (size 1 is specialised; chunk lengths and `end`
-        are kept >= 2). Both on calls whose tokens are all padding: those write only the scratch slots. These are
-        every graph the prefill needs."""
+        """Capture the prefill graph of every (row count, width) whole prompts can be padded to (pad_prefill on
+        CUDA); compile the prefill graphs of a 1-row call and of a several-row call (size 1 is specialised; chunk
+        lengths and `end` are kept >= 2). Both on calls whose tokens are all padding: those write only the scratch
+        slots. These are every graph the prefill needs."""
         if self.pad_prefill and self.use_graph:
-            meta = torch.zeros(3, 1, dtype=torch.long, device=self.device)  # row 0, nothing cached, no real token
-            for width in PREFILL_WIDTHS:
-                if width <= min(self.prefill_chunk, self.max_context):
-                    self._run_prefill(torch.zeros(1, width, dtype=torch.long, device=self.device), meta, width,
-                                      graphed=True)  # fmt: skip
+            for k, width in self._padded_shapes():
+                meta = torch.zeros(3, k, dtype=torch.long, device=self.device)  # row 0, nothing cached, no token
+                self._run_prefill(torch.zeros(k, width, dtype=torch.long, device=self.device), meta, width,
+                                  graphed=True)  # fmt: skip
         if not is_compiled(self._prefill_fn, self._prefill_logits):
             return
         # a typical chunk: inductor picks kernel configs from the sizes it first sees
@@ -620,22 +625,30 @@ class BatchEngine:
             meta = torch.tensor([list(range(k)), [0] * k, [0] * k], dtype=torch.long, device=self.device)
             self._run_prefill(torch.zeros(k, width, dtype=torch.long, device=self.device), meta, width)
 
-    def _padded_width(self, batch) -> int | None:
-        """With pad_prefill, the width a prefill call is padded to: a lone prompt's whole, from its first token, in
-        one chunk, left-padded to its prefill width (which one captured prefill serves for every length up to it).
-        None otherwise (several prompts, a later chunk, a width past the chunk or the context)."""
-        if not self.pad_prefill or len(batch) != 1 or batch[0][0].prefilled:
+    def _padded_shapes(self) -> list[tuple[int, int]]:
+        """Every (row count, width) a prefill call can be padded to: a batch bucket of rows times a prefill width,
+        within one chunk (the stall bound), the context and PREFILL_GRAPH_TOKENS."""
+        limit = min(self.prefill_chunk, PREFILL_GRAPH_TOKENS)
+        return [(k, w) for k in self.buckets for w in PREFILL_WIDTHS if k * w <= limit and w <= self.max_context]
+
+    def _padded_shape(self, batch) -> tuple[int, int] | None:
+        """With pad_prefill, the (row count, width) a prefill call is padded to when it holds whole prompts (each
+        from its first token, in one chunk): the smallest batch bucket holding them, and the prefill width of the
+        longest (one captured prefill serves every call up to its shape; padding rows hold no real token). None
+        otherwise (a later chunk, or a shape past the chunk, the context or PREFILL_GRAPH_TOKENS)."""
+        if not self.pad_prefill or any(req.prefilled or n != len(req.prompt) for req, n in batch):
             return None
-        req, n = batch[0]
-        width = prefill_width(n)
-        fits = n == len(req.prompt) and width <= min(self.prefill_chunk, self.max_context)
-        return width if fits and width in PREFILL_WIDTHS else None
+        k = next((b for b in self.buckets if b >= len(batch)), None)
+        if k is None:
+            return None
+        shape = (k, prefill_width(max(n for _, n in batch), k))
+        return shape if shape in self._padded_shapes() else None
 
     def _run_prefill(self, input_ids: torch.Tensor, rows: torch.Tensor, end: int, first: int | None = None,
                      graphed: bool = False):  # fmt: skip
         slots = torch.empty(end, dtype=torch.bool, device=self.device)  # only its size is read
         if graphed and self.use_graph:
-            return self._prefill_graphs(end, input_ids, rows, slots)  # one row, no `first`: gathers, not views
+            return self._prefill_graphs(tuple(input_ids.shape), input_ids, rows, slots)  # no `first`: gathers
         if is_compiled(self._prefill_fn, self._prefill_logits):
             try:
                 return self._prefill_fn(input_ids, rows, slots)

@@ -66,7 +66,7 @@ def prefill_width(prompt: int, batch: int = 1) -> int:
 
 
 class PrefillGraphs:
-    """`fn(*tensors)` replayed from a CUDA graph per key (a prefill width): the first call of a key runs `fn`
+    """`fn(*tensors)` replayed from a CUDA graph per key (a prefill width or shape): the first call of a key runs `fn`
     eagerly on a side stream (the call's real work, and the capture's warm-up: lazy kernel loads, cuBLAS
     workspaces), then records it; recording runs nothing, so what that call wrote (the KV cache) stays. Later calls
     copy their tensors into the recorded inputs and replay. A key whose capture fails runs eagerly from then on,
