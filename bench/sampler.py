@@ -5,13 +5,16 @@ how much of that the sampler is.
 
 Variants, on softcapped fp32 logits with gemma-4-E4B-it's config (temperature 1, top_k 64, top_p 0.95):
 - `greedy`: the first argmax (greedy's whole token choice);
-- `card`: `g4ops.engine.sampler.sample` with top-k's threshold from the 64 largest values (K_CAPS, a two-stage topk
-  on this vocabulary), top-p over a sort of the vocabulary: eager, what the Decoder and BatchEngine capture;
-- `card-one-topk`: the same with the 64 largest from one torch.topk over the row (the sampler before session 15);
+- `card`: `g4ops.engine.sampler.sample` with top-k's threshold from a topk of 64 (K_CAPS), top-p over a sort of the
+  vocabulary: eager, what the Decoder and BatchEngine capture;
 - `card-compiled`: the same through torch.compile with static shapes (the Decoder compiled its sampler before
   48c8a7b; with a symbolic batch, Inductor failed on top-p's scan at batch 4 on the H200);
 - `card-sort`: top-k's threshold from a sort of the vocabulary (no k cap), eager;
-- `top-k-only`: without top-p (no sort), eager: the sort's share.
+- `top-k-only`: without top-p (no sort), eager: the sort's share;
+- `op:*`: one operation of the card alone on the row, to split its cost: `topk64` (top-k's threshold), `sort` (top-p's),
+  `softmax`, `cumsum`, `exponential` (the draw's noise). Session 15 (2026-12-02): a two-stage topk (the 64 largest of
+  each 4096-entry chunk, then of those) in place of the one topk left the default call at 176.9 tok/s (177.3 before)
+  at batch 1, so top-k's topk is not where the card's 0.4 ms goes; these say where it does.
 
     python bench/sampler.py --json $OUT/sampler.json    # H200: about a minute, most of it compiling
     python bench/sampler.py --smoke                      # CPU, a small vocabulary: the script runs
@@ -30,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from decode_attention import time_per_call_us  # bench/decode_attention.py: this script's directory is on sys.path
 
-from g4ops.engine import sampler
 from g4ops.engine.sampler import sample
 
 SOFTCAP = 30.0  # Gemma-4's final_logit_softcapping
@@ -46,20 +48,17 @@ def variants(batch: int, device: str) -> dict:
     def card(logits):
         return sample(logits, temperature, top_k, top_p, None, greedy, k_cap=64)
 
-    def card_one_topk(logits):  # the constant is read when the graph is captured
-        saved, sampler._TOPK_MIN_CHUNKS = sampler._TOPK_MIN_CHUNKS, 1 << 62
-        try:
-            return card(logits)
-        finally:
-            sampler._TOPK_MIN_CHUNKS = saved
-
     return {
         "greedy": lambda logits: logits.argmax(dim=-1),
         "card": card,
-        "card-one-topk": card_one_topk,
         "card-compiled": torch.compile(card, fullgraph=True, dynamic=False),
         "card-sort": lambda logits: sample(logits, temperature, top_k, top_p, None, greedy),
         "top-k-only": lambda logits: sample(logits, temperature, top_k, None, None, greedy, k_cap=64),
+        "op:topk64": lambda logits: torch.topk(logits, 64, dim=-1).values[:, -1],
+        "op:sort": lambda logits: torch.sort(logits, dim=-1).values[:, 0],
+        "op:softmax": lambda logits: logits.softmax(dim=-1)[:, 0],
+        "op:cumsum": lambda logits: logits.cumsum(dim=-1)[:, -1],
+        "op:exponential": lambda logits: torch.empty_like(logits).exponential_()[:, 0],
     }
 
 
@@ -88,7 +87,8 @@ def main(argv=None):
             try:
                 with torch.no_grad():
                     tokens = fn(*inputs[0])
-                    if tokens.shape != (batch,) or not bool(((tokens >= 0) & (tokens < args.vocab)).all()):
+                    in_range = name.startswith("op:") or bool(((tokens >= 0) & (tokens < args.vocab)).all())
+                    if tokens.shape != (batch,) or not in_range:  # an op: one value per row
                         raise RuntimeError(f"tokens out of range: {tokens.tolist()}")
                     row[f"{name}_us"] = time_per_call_us(fn, inputs, args.calls, args.repeats, args.device)
             except Exception as e:  # noqa: BLE001 - a variant that fails (a compiler error) is a result too

@@ -14,8 +14,8 @@ on CUDA (what `scores / temperature` does for a Python float there), `1 - top_p`
 once, as the Python float would be. The per-row parameters replace Python scalars, so nothing depends on the data
 on the host: fixed shapes, no sync, no Python branch on values, so the function can be captured in a CUDA graph.
 The k-th largest value (top-k's threshold) is a per-row gather from a sort of the scores, or, with `k_cap` (every
-row's top_k in 1..k_cap, known to the caller), from the k_cap largest values (a two-stage topk on a large
-vocabulary): their values are the same whatever the tie order, so both give the same threshold.
+row's top_k in 1..k_cap, known to the caller), from `torch.topk(scores, k_cap)`: its values are the same whatever
+the tie order, so both give the same threshold.
 
 `sample` draws by the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks index i with probability p_i
 (the Gumbel-max trick in exp form). Noise comes from torch's current generator (`torch.manual_seed(s)` reproduces
@@ -43,26 +43,6 @@ def _row(t: torch.Tensor, b: int, name: str, dtype: torch.dtype, device) -> torc
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, logits on {device}")
     return t.to(dtype)
-
-
-# top-k's threshold in two stages past this many chunks: one torch.topk over a 262144-entry row runs on few blocks
-# (0.2 ms at batch 1 on the H200, 2026-12-02); the top k of each 4096-entry chunk, then of those, spread the work
-_TOPK_CHUNK = 4096
-_TOPK_MIN_CHUNKS = 4
-
-
-def _top_values(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """[B, V] -> [B, k] the k largest values of each row, descending (k <= V). Exact as a multiset of values: every
-    one of a row's k largest is among the k largest of its chunk, and the -inf padding of the last chunk ranks below
-    every entry (an entry that is -inf itself has the same value), so only the order of equal values can differ."""
-    b, v = scores.shape
-    if k > _TOPK_CHUNK or v < _TOPK_CHUNK * _TOPK_MIN_CHUNKS:
-        return torch.topk(scores, k, dim=-1).values
-    pad = -v % _TOPK_CHUNK
-    if pad:
-        scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf"))
-    per_chunk = torch.topk(scores.reshape(b, -1, _TOPK_CHUNK), k, dim=-1).values
-    return torch.topk(per_chunk.reshape(b, -1), k, dim=-1).values
 
 
 def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
@@ -94,7 +74,7 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | 
     if top_k is not None:
         k = top_k.clamp(min=keep, max=v)
         if k_cap is not None:
-            top = _top_values(scores, min(k_cap, v))  # descending
+            top = torch.topk(scores, min(k_cap, v), dim=-1).values  # descending
             kth = top.gather(1, (k.clamp(max=top.shape[1]) - 1)[:, None])
         else:
             kth = torch.sort(scores, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
