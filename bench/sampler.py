@@ -11,6 +11,10 @@ Variants, on softcapped fp32 logits with gemma-4-E4B-it's config (temperature 1,
   48c8a7b; with a symbolic batch, Inductor failed on top-p's scan at batch 4 on the H200);
 - `card-sort`: top-k's threshold from a sort of the vocabulary (no k cap), eager;
 - `top-k-only`: without top-p (no sort), eager: the sort's share;
+- `candidates` (a prototype, bench only): top-p, the softmax and the draw over the 64 largest entries alone, as a
+  candidate-based sampler would run them: not the engines' semantics (ties at the 64th value beyond the 64 are
+  dropped, and its sums round in another order than TopPLogitsWarper's over the vocabulary), so it is the floor such
+  a sampler could reach, to weigh against the card before building one;
 - `op:*`: one operation of the card alone on the row, to split its cost: `topk64` (top-k's threshold), `sort` (top-p's),
   `softmax`, `cumsum`, `exponential` (the draw's noise). Session 15 (2026-12-02): a two-stage topk (the 64 largest of
   each 4096-entry chunk, then of those) in place of the one topk left the default call at 176.9 tok/s (177.3 before)
@@ -48,8 +52,18 @@ def variants(batch: int, device: str) -> dict:
     def card(logits):
         return sample(logits, temperature, top_k, top_p, None, greedy, k_cap=64)
 
+    def candidates(logits):
+        top, index = torch.topk(logits.float() / temperature[:, None], 64, dim=-1)  # descending
+        ascending, index = top.flip(-1), index.flip(-1)
+        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p).float()[:, None]
+        remove[:, -1] = False
+        probs = ascending.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        choice = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1, keepdim=True)
+        return index.gather(1, choice)[:, 0]
+
     return {
         "greedy": lambda logits: logits.argmax(dim=-1),
+        "candidates": candidates,
         "card": card,
         "card-compiled": torch.compile(card, fullgraph=True, dynamic=False),
         "card-sort": lambda logits: sample(logits, temperature, top_k, top_p, None, greedy),
