@@ -5,20 +5,17 @@ how much of that the sampler is.
 
 Variants, on softcapped fp32 logits with gemma-4-E4B-it's config (temperature 1, top_k 64, top_p 0.95):
 - `greedy`: the first argmax (greedy's whole token choice);
-- `card`: `g4ops.engine.sampler.sample` with top-k's threshold from a topk of 64 (K_CAPS), top-p over a sort of the
-  vocabulary: eager, what the Decoder and BatchEngine capture;
-- `card-compiled`: the same through torch.compile with static shapes (the Decoder compiled its sampler before
-  48c8a7b; with a symbolic batch, Inductor failed on top-p's scan at batch 4 on the H200);
-- `card-sort`: top-k's threshold from a sort of the vocabulary (no k cap), eager;
-- `top-k-only`: without top-p (no sort), eager: the sort's share;
-- `candidates` (a prototype, bench only): top-p, the softmax and the draw over the 64 largest entries alone, as a
-  candidate-based sampler would run them: not the engines' semantics (ties at the 64th value beyond the 64 are
-  dropped, and its sums round in another order than TopPLogitsWarper's over the vocabulary), so it is the floor such
-  a sampler could reach, to weigh against the card before building one;
-- `op:*`: one operation of the card alone on the row, to split its cost: `topk64` (top-k's threshold), `sort` (top-p's),
-  `softmax`, `cumsum`, `exponential` (the draw's noise). Session 15 (2026-12-02): a two-stage topk (the 64 largest of
-  each 4096-entry chunk, then of those) in place of the one topk left the default call at 176.9 tok/s (177.3 before)
-  at batch 1, so top-k's topk is not where the card's 0.4 ms goes; these say where it does.
+- `card`: `g4ops.engine.sampler.sample` with k_cap 64 (K_CAPS): the warpers on the 128 largest logits (candidates),
+  eager, what the Decoder and BatchEngine capture since session 15;
+- `card-vocabulary`: the warpers over the whole vocabulary (top-k's threshold from a topk of 64, top-p over a sort
+  of the vocabulary), then the draw: what the engines captured until session 15 (0.42 ms at batch 1 on the H200);
+- `card-compiled`: `card` through torch.compile with static shapes (with the vocabulary-wide card, Inductor failed
+  on top-p's scan at batch 4 and 16 on the H200);
+- `top-k-only`: `card` without top-p;
+- `op:*`: one operation alone on the vocabulary-wide row, to split what it costs: `topk64` (top-k's threshold),
+  `sort` (top-p's), `softmax`, `cumsum`, `exponential` (the draw's noise). Session 15 (2026-12-02): a two-stage topk
+  (the 64 largest of each 4096-entry chunk, then of those) in place of the one topk left the default call at 176.9
+  tok/s (177.3 before) at batch 1.
 
     python bench/sampler.py --json $OUT/sampler.json    # H200: about a minute, most of it compiling
     python bench/sampler.py --smoke                      # CPU, a small vocabulary: the script runs
@@ -37,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from decode_attention import time_per_call_us  # bench/decode_attention.py: this script's directory is on sys.path
 
-from g4ops.engine.sampler import sample
+from g4ops.engine.sampler import sample, warp
 
 SOFTCAP = 30.0  # Gemma-4's final_logit_softcapping
 
@@ -52,21 +49,15 @@ def variants(batch: int, device: str) -> dict:
     def card(logits):
         return sample(logits, temperature, top_k, top_p, None, greedy, k_cap=64)
 
-    def candidates(logits):
-        top, index = torch.topk(logits.float() / temperature[:, None], 64, dim=-1)  # descending
-        ascending, index = top.flip(-1), index.flip(-1)
-        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p).float()[:, None]
-        remove[:, -1] = False
-        probs = ascending.masked_fill(remove, float("-inf")).softmax(dim=-1)
-        choice = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1, keepdim=True)
-        return index.gather(1, choice)[:, 0]
+    def card_vocabulary(logits):
+        probs = warp(logits.float(), temperature, top_k, top_p, None, k_cap=64).softmax(dim=-1)
+        return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
 
     return {
         "greedy": lambda logits: logits.argmax(dim=-1),
-        "candidates": candidates,
         "card": card,
+        "card-vocabulary": card_vocabulary,
         "card-compiled": torch.compile(card, fullgraph=True, dynamic=False),
-        "card-sort": lambda logits: sample(logits, temperature, top_k, top_p, None, greedy),
         "top-k-only": lambda logits: sample(logits, temperature, top_k, None, None, greedy, k_cap=64),
         "op:topk64": lambda logits: torch.topk(logits, 64, dim=-1).values[:, -1],
         "op:sort": lambda logits: torch.sort(logits, dim=-1).values[:, 0],
@@ -111,9 +102,9 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
     names = [key[: -len("_us")] for key in rows[0] if key.endswith("_us")] if rows else []
     names += [key[: -len("_error")] for key in rows[0] if key.endswith("_error")] if rows else []
-    print("\n" + f"{'batch':>6}" + "".join(f"{n:>15}" for n in names) + "   (us per call)")
+    print("\n" + f"{'batch':>6}" + "".join(f"{n:>16}" for n in names) + "   (us per call)")
     for r in rows:
-        cells = (f"{r[n + '_us']:>15.1f}" if n + "_us" in r else f"{'error':>15}" for n in names)
+        cells = (f"{r[n + '_us']:>16.1f}" if n + "_us" in r else f"{'error':>16}" for n in names)
         print(f"{r['batch']:>6}" + "".join(cells))
     if args.json:
         meta = dict(device=args.device, torch=torch.__version__,

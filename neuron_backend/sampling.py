@@ -5,7 +5,7 @@ Each TP rank holds a vocab shard of the fp32 softcapped logits [B, V/tp]. Sampli
     1. every rank takes its `cap` largest logits and their global ids            (local_candidates: [B, cap] each)
     2. the ranks all-gather those                                                ([B, tp * cap]: 2 * tp * cap values)
     3. every rank runs g4ops.engine.sampler.sample on the merged candidates, with the noise of each candidate's
-       global id (noise_at), and takes the winner's id                          (sample_candidates)
+       global id (sampler.noise_at), and takes the winner's id                     (sample_candidates)
 
 Step 3 is transformers' warpers (temperature, top-k, top-p, min-p, in that order, fp32) through sampler.py's own
 `sample`/`warp`, so the semantics live in one place. The merged candidates hold the global top `cap` tokens, so
@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from g4ops.engine.sampler import _M32, _fmix32, sample
+from g4ops.engine.sampler import noise_at, sample
 
-__all__ = ["local_topk", "local_argmax", "local_candidates", "noise_at", "sample_candidates", "SAMPLING_INPUTS"]
+__all__ = ["local_topk", "local_argmax", "local_candidates", "sample_candidates", "SAMPLING_INPUTS"]
 
 # the per-row tensors a sampling bucket takes after (input_ids, start_pos, n_valid, ple_tokens), in order
 SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "min_p", "seed", "counter")
@@ -67,20 +67,6 @@ def local_candidates(local_logits: torch.Tensor, vocab_start: torch.Tensor, cap:
     """A rank's [B, V/tp] logits -> (values [B, c], global ids [B, c]), c = min(cap, V/tp): its largest logits."""
     values, idx = local_topk(local_logits, min(cap, local_logits.shape[-1]))
     return values, idx + vocab_start
-
-
-def noise_at(seed: torch.Tensor, counter: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """seeded_exponential's Exp(1) noise at the columns `ids` [B, n] (any int64 ids) instead of 0..n-1.
-
-    The hash is sampler.py's (its _fmix32 and constants, keyed the same way); tests/test_neuron_sampling.py checks
-    noise_at(seed, counter, arange(n)) == seeded_exponential(seed, counter, n) bit for bit, so the two cannot
-    drift apart."""
-    seed, counter = seed.long()[:, None], counter.long()[:, None]
-    h = _fmix32((ids.long() * 0x9E3779B9 + 0x7F4A7C15) & _M32)
-    for word in (counter & _M32, (counter >> 32) & _M32, seed & _M32, (seed >> 32) & _M32):
-        h = _fmix32(h ^ _fmix32(word ^ 0x27D4EB2F))
-    uniform = ((h >> 8).to(torch.float32) + 0.5) * 2.0**-24
-    return -torch.log(uniform)
 
 
 def sample_candidates(values, ids, temperature, top_k, top_p, min_p, seed, counter, cap: int) -> torch.Tensor:

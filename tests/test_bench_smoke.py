@@ -253,4 +253,5 @@ def test_sampler_smoke(tmp_path):
     assert [r["batch"] for r in rows] == [1, 3]
     for r in rows:  # every variant ran and was timed (on CPU, the compiled one too)
         assert {k for k in r if k.endswith("_error")} == set(), r
-        assert all(r[f"{name}_us"] > 0 for name in ("greedy", "card", "card-compiled", "card-sort", "top-k-only"))
+        names = ("greedy", "card", "card-vocabulary", "card-compiled", "top-k-only", "op:sort")
+        assert all(r[f"{name}_us"] > 0 for name in names)

@@ -273,6 +273,30 @@ def _teacher_forced_samples(model, prompt, tokens, params):
     return picks
 
 
+def test_a_draw_past_the_tie_bound_is_reported(model, caplog):
+    """Degenerate logits (every token tied) put more tokens at the top-k threshold than the sampler's candidates
+    hold: BatchEngine and the Decoder say so once, at WARNING, instead of drawing from part of the tie in silence;
+    the model's own logits report nothing."""
+    import copy
+    import logging
+
+    from g4ops.engine.decoder import Decoder
+    from g4ops.engine.sampler import TIES_OVERFLOW
+
+    flat = copy.deepcopy(model)
+    flat.lm_head.register_forward_hook(lambda module, args, out: torch.zeros_like(out))
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=64, top_p=0.95)
+    prompt = _prompt(5, 1)
+    for m, reported in ((flat, 1), (model, 0)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            _drive(BatchEngine(m, max_batch=2, max_context=64), [(0, prompt, params), (1, prompt, params)])
+            Decoder(m, batch_size=1, max_length=32).generate(torch.tensor([prompt]), 4, do_sample=True, top_k=64,
+                                                               top_p=0.95)  # fmt: skip
+        messages = [r.getMessage() for r in caplog.records]
+        assert messages.count(TIES_OVERFLOW) == 2 * reported, messages  # once per engine, once per Decoder call
+
+
 def test_seeded_sampling_is_independent_of_neighbours(model):
     seeded = SamplingParams(max_new_tokens=NEW, temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, seed=1234)
     prompt = _prompt(13, 7)

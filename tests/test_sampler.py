@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from g4ops.engine.sampler import check_params, sample, seeded_exponential, warp
+from g4ops.engine.sampler import check_params, noise_at, sample, seeded_exponential, warp
 from tests.devices import DEVICES
 
 lp = pytest.importorskip("transformers.generation.logits_process")
@@ -137,13 +137,18 @@ def test_draw_frequencies_match_softmax_of_warp(setting):
     probs = warp(x, **_rows(1, "cpu", t, k, p, mp)).softmax(-1)[0].double()
     torch.manual_seed(1234)
     tokens = sample(x.expand(n, v), **_rows(n, "cpu", t, k, p, mp), greedy=torch.zeros(n, dtype=torch.bool))
-    counts = torch.bincount(tokens, minlength=v).double()
+    _assert_draws_follow(tokens, probs, min_kept=3)
+
+
+def _assert_draws_follow(tokens: torch.Tensor, probs: torch.Tensor, min_kept: int) -> None:
+    """No filtered token drawn, and the counts pass a chi-square test against the probabilities."""
+    counts = torch.bincount(tokens, minlength=probs.shape[0]).double()
     kept = probs > 0
     assert counts[~kept].sum() == 0, "a filtered token was drawn"
-    expected = n * probs[kept]
+    expected = tokens.shape[0] * probs[kept]
     stat = float(((counts[kept] - expected) ** 2 / expected).sum())
     df = int(kept.sum()) - 1
-    assert df >= 2 and stat < _chi2_bound(df), (stat, df)
+    assert df >= min_kept - 1 and stat < _chi2_bound(df), (stat, df)
 
 
 def test_seed_reproduces_and_top_k_1_is_greedy():
@@ -179,9 +184,87 @@ def test_seeded_exponential_is_a_function_of_seed_counter_and_column():
     for row in e:
         assert abs(row.double().mean().item() - 1) < 0.03 and abs(row.double().var().item() - 1) < 0.08
         assert abs((row > 1).double().mean().item() - math.exp(-1)) < 0.012
+    # this key hashes to the largest uniform: with 24 bits it rounded to 1.0 in fp32 and the noise was -0.0 (a 0/0
+    # for a filtered token, that sample's clamp caught); 23 bits keep it below 1
+    assert float(noise_at(torch.tensor([60 * 7919]), torch.tensor([0]), torch.tensor([[177421]]))) > 0
     # columns are not correlated with their neighbours
     r = torch.corrcoef(torch.stack([e[0, :-1], e[0, 1:]]).double())[0, 1].item()
     assert abs(r) < 0.03
+
+
+def test_noise_at_is_seeded_exponential_at_those_columns():
+    seed = torch.tensor([0, 5, 2**40 + 3, 2**62 + 11])
+    counter = torch.tensor([0, 1, 2**33 + 7, 19])
+    n = 1037
+    full = seeded_exponential(seed, counter, n)
+    assert torch.equal(noise_at(seed, counter, torch.arange(n).expand(4, n)), full)
+    ids = torch.randint(0, n, (4, 41), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(noise_at(seed, counter, ids), full.gather(1, ids))
+
+
+def _race(probs, noise):
+    return (probs / noise).argmax(dim=-1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("v, bf16", [(300, False), (1031, False), (1031, True), (262144, True)])
+def test_candidates_draw_what_the_vocabulary_draws(device, v, bf16):
+    """sample with k_cap (the warpers on the 2 * k_cap largest logits) picks the token the vocabulary-wide draw picks
+    with the same noise per token id: fp32 logits without ties against sample itself; bf16-rounded ones (ties at
+    top-k's threshold and inside top-p's sort) against warp over the whole row with a stable sort."""
+    b = 64
+    g = torch.Generator().manual_seed(v)
+    x = 30 * torch.tanh(torch.randn(b, v, generator=g) * 4 / 30)
+    x = (x.bfloat16().float() if bf16 else x).to(device)
+    temperature = torch.rand(b, generator=g) * 1.5 + 0.3
+    top_k = torch.randint(1, 65, (b,), generator=g)
+    top_p = torch.where(torch.rand(b, generator=g) < 0.2, 1.0, torch.rand(b, generator=g).double())
+    min_p = torch.where(torch.rand(b, generator=g) < 0.5, 0.0, torch.rand(b, generator=g) * 0.2)
+    rows = {k: t.to(device) for k, t in dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p).items()}
+    sampled = torch.zeros(b, dtype=torch.bool, device=device)
+    seed, counter = torch.arange(b, device=device) * 7919, torch.zeros(b, dtype=torch.long, device=device)
+    noise = seeded_exponential(seed, counter, v)
+    overflow = torch.zeros(1, dtype=torch.bool, device=device)
+    ours = sample(x, **rows, greedy=sampled, noise=noise, k_cap=64, ties_overflow=overflow)
+    assert not overflow.item()
+    if bf16:
+        reference = _race(warp(x, **rows, stable=True).softmax(-1), noise)
+    else:
+        reference = sample(x, **rows, greedy=sampled, noise=noise)
+    assert torch.equal(ours, reference)
+    # the noise as a function of the ids (what BatchEngine passes for seeded rows) draws the same
+    at_ids = sample(x, **rows, greedy=sampled, noise=lambda ids: noise_at(seed, counter, ids), k_cap=64)
+    assert torch.equal(at_ids, ours)
+
+
+def test_candidates_count_ties_beyond_them():
+    """More tokens tied with the k-th value than the candidates hold sets ties_overflow; ties among -inf entries
+    (another processor's mask) and ties the candidates hold do not."""
+    v, b = 1000, 4
+    x = torch.randn(b, v, generator=torch.Generator().manual_seed(0))
+    x[1] = 0.0  # every token tied
+    x[2, 5:] = float("-inf")  # 5 tokens left: the k-th value is -inf
+    x[3, :100] = 7.0  # 100 ties at the top: fewer than the 128 candidates
+    rows = _rows(b, "cpu", 1.0, 64, 0.95)
+    for which, expect in ((slice(0, 1), False), (slice(1, 2), True), (slice(2, 3), False), (slice(3, 4), False)):
+        overflow = torch.zeros(1, dtype=torch.bool)
+        sub = {k: t[which] for k, t in rows.items()}
+        sample(x[which], **sub, greedy=torch.zeros(1, dtype=torch.bool), k_cap=64, ties_overflow=overflow)
+        assert overflow.item() == expect, which
+    overflow = torch.zeros(1, dtype=torch.bool)
+    greedy = torch.tensor([False, True, False, False])  # the tied row takes its argmax: nothing left out
+    sample(x, **rows, greedy=greedy, k_cap=64, ties_overflow=overflow)
+    assert not overflow.item()
+
+
+def test_candidate_draw_frequencies_match_softmax_of_warp():
+    n, v = 40000, 300
+    x = _logits(1, v, seed=12, scale=1.5)  # bf16-rounded: ties, ordered by id in top-p's sort (stable)
+    probs = warp(x, **_rows(1, "cpu", 1.0, 64, 0.95), stable=True).softmax(-1)[0].double()
+    torch.manual_seed(4321)
+    tokens = sample(x.expand(n, v), **_rows(n, "cpu", 1.0, 64, 0.95), greedy=torch.zeros(n, dtype=torch.bool),
+                    k_cap=64)  # fmt: skip
+    _assert_draws_follow(tokens, probs, min_kept=11)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -65,7 +65,7 @@ from ..models import FULL
 from .cache import text_attentions
 from .decoder import (K_CAPS, PREFILL_GRAPH_TOKENS, PREFILL_WIDTHS, PrefillGraphs, _register_decode_attention,
                       compiled_prefill, is_compiled, prefill_width, step_attention)
-from .sampler import sample, seeded_exponential
+from .sampler import TIES_OVERFLOW, noise_at, sample
 
 __all__ = ["BatchEngine", "EngineStats", "QueueFull", "SamplingParams", "SlotKVCache", "TokenEvent"]
 
@@ -303,6 +303,7 @@ class _LaunchedStep:
     rows: list[tuple[int, _Request]]
     tokens: torch.Tensor  # [b]: next_ids after the step (a pinned host buffer on CUDA)
     done: torch.cuda.Event | None  # recorded after the copy (CUDA)
+    ties: torch.Tensor | None  # [1]: the sampler's ties_overflow after a sampling step (same buffer), else None
 
 
 def _buckets(max_batch: int) -> list[int]:
@@ -398,9 +399,12 @@ class BatchEngine:
         self._prefilling: collections.deque[_Request] = collections.deque()
         self._launched: _LaunchedStep | None = None
         # two host buffers the step's tokens are copied into, alternately: one step is read while the next runs
-        # (pinned on CUDA, so the copy is asynchronous and an event says when it landed)
-        self._readback = [torch.empty(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        # (pinned on CUDA, so the copy is asynchronous and an event says when it landed); the last entry holds the
+        # sampler's ties_overflow after a sampling step, reported once (sampler.TIES_OVERFLOW)
+        self._readback = [torch.empty(rows + 1, dtype=torch.long, pin_memory=self.device.type == "cuda")
                           for _ in range(2)]  # fmt: skip
+        self.ties_overflow = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._ties_reported = False
         self._readback_done = [torch.cuda.Event() for _ in range(2)] if self.device.type == "cuda" else [None] * 2
         self._readback_turn = 0
 
@@ -709,6 +713,9 @@ class BatchEngine:
             turn, self._readback_turn = self._readback_turn, self._readback_turn ^ 1
             tokens, done = self._readback[turn][:b], self._readback_done[turn]
             tokens.copy_(self.next_ids[:b, 0], non_blocking=done is not None)
+            ties = self._readback[turn][-1:] if mode[0] and mode[2] is not None else None
+            if ties is not None:
+                ties.copy_(self.ties_overflow, non_blocking=done is not None)
             if done is not None:
                 done.record()
         except Exception as e:  # noqa: BLE001 - the step's rows fail; the engine stays up
@@ -720,7 +727,7 @@ class BatchEngine:
             self._steps += 1
         for i in rows:
             self._rows[i].in_flight += 1
-        self._launched = _LaunchedStep([(i, self._rows[i]) for i in rows], tokens, done)
+        self._launched = _LaunchedStep([(i, self._rows[i]) for i in rows], tokens, done, ties)
 
     def _emit_step(self, step: _LaunchedStep) -> None:
         """Emit a launched step's tokens to the requests that still hold their rows (one cancelled or ended since
@@ -729,6 +736,9 @@ class BatchEngine:
             if step.done is not None:
                 step.done.synchronize()
             tokens = step.tokens.tolist()
+            if step.ties is not None and step.ties.item() and not self._ties_reported:
+                log.warning(TIES_OVERFLOW)
+                self._ties_reported = True
         except Exception as e:  # noqa: BLE001 - the step's rows fail; the engine stays up
             log.exception("BatchEngine: decode step failed")
             for i, req in step.rows:
@@ -797,12 +807,14 @@ class BatchEngine:
         if not sampled:
             return logits.argmax(dim=-1)
         noise = None
-        if seeded:
-            drawn = torch.empty_like(logits).exponential_()
-            own = seeded_exponential(self.seed[rows], counter, logits.shape[-1])
-            noise = torch.where(self.seeded[rows, None], own, drawn)
+        if seeded:  # seeded rows: noise per (seed, token index, token id), at the ids the sampler looks at
+
+            def noise(ids):
+                own = noise_at(self.seed[rows], counter, ids)
+                return torch.where(self.seeded[rows, None], own, torch.empty_like(own).exponential_())
+
         return sample(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
-                      self.greedy[rows], noise, k_cap=k_cap)  # fmt: skip
+                      self.greedy[rows], noise, k_cap=k_cap, ties_overflow=self.ties_overflow)  # fmt: skip
 
     def _logits(self, next_ids: torch.Tensor, position: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """The model call of the step over the first b rows ([b] views) -> fp32 logits [b, V]."""

@@ -41,11 +41,11 @@ import torch
 
 from .. import ops
 from .cache import GraphKVCache, text_attentions
-from .sampler import check_params, divide_as_by_float, sample
+from .sampler import TIES_OVERFLOW, check_params, divide_as_by_float, sample
 
 logger = logging.getLogger("g4ops")
 DECODE_ATTENTION = "g4ops_graph_decode"  # the attention implementation name the step's configs carry
-K_CAPS = (64, 256, 1024)  # top-k candidate sizes a sampling graph may use for the threshold (exact: sampler.warp)
+K_CAPS = (64, 256, 1024)  # top-k bounds a sampling graph may use: sampler.sample's k_cap (it samples from candidates)
 _MAX_EOS_IDS = 8  # the EOS ids min_new_tokens holds back live in a fixed-size buffer (the graph's shapes are fixed)
 # why a repetition penalty is not taken over left-padded prompts (the Decoder raises it, the generate route says it)
 PENALTY_WITH_PADDING = ("repetition_penalty with left-padded prompts is not supported (transformers 5.24 leaves the "
@@ -237,6 +237,7 @@ class Decoder:
         self.top_p = torch.ones(batch_size, dtype=torch.float64, device=dev)
         self.min_p = torch.zeros(batch_size, device=dev)
         self.greedy_rows = torch.zeros(batch_size, dtype=torch.bool, device=dev)
+        self.ties_overflow = torch.zeros(1, dtype=torch.bool, device=dev)  # per call: sampler.TIES_OVERFLOW
         # ("greedy",) or ("sample", k_cap or None, top-k on, top-p on, min-p on): static, one graph each (a warper
         # no row uses is left out of the graph, as generate leaves it out of its list)
         self.mode = ("greedy",)
@@ -302,7 +303,8 @@ class Decoder:
             return scores.argmax(dim=-1)  # the first maximum, as generate
         _, k_cap, top_k_on, top_p_on, min_p_on = self.mode
         return sample(scores, self.temperature, self.top_k if top_k_on else None, self.top_p if top_p_on else None,
-                      self.min_p if min_p_on else None, self.greedy_rows, k_cap=k_cap)  # fmt: skip
+                      self.min_p if min_p_on else None, self.greedy_rows, k_cap=k_cap,
+                      ties_overflow=self.ties_overflow)  # fmt: skip
 
     def _penalize(self, scores: torch.Tensor, seen_to: torch.Tensor | int) -> torch.Tensor:
         """RepetitionPenaltyLogitsProcessor on fp32 scores [B, V]: the score of every id in the sequence so far
@@ -508,6 +510,7 @@ class Decoder:
         self._set_penalty(repetition_penalty, attention_mask)
         if self.use_graph and self.graph_key not in self.graphs:
             self._capture()
+        self.ties_overflow.zero_()
         if streamer is not None:
             streamer.put(input_ids.cpu())
         width = self.prefill(input_ids, attention_mask, new_tokens=max_new_tokens)
@@ -539,6 +542,8 @@ class Decoder:
                 break
         if streamer is not None:
             streamer.end()
+        if self.mode[0] == "sample" and bool(self.ties_overflow):  # one sync, after the last step was read
+            logger.warning(TIES_OVERFLOW)
         return stops.ids().to(self.device)
 
 
