@@ -25,8 +25,9 @@ over fewer -inf entries (a tie in the last bit at a top-p or min-p boundary is t
 of the candidates is stable, so tokens of equal score enter it in vocabulary order, as CUDA's radix sort of a whole
 row orders them in practice (torch promises no order for an unstable sort, and the CPU's reorders ties: there the
 token top-p drops from a tied pair can differ). A row past the tie bound is counted in `ties_overflow`: its draw
-leaves out the tied tokens beyond the candidates. On the H200 (2026-12-02, E4B's 262144 entries) the vocabulary-wide card took 0.42 / 0.83 /
-1.17 ms per step at batch 1 / 4 / 16, nearly half of it top-p's pass over the sorted vocabulary.
+leaves out the tied tokens beyond the candidates. On the H200 (2026-12-02, E4B's 262144 entries) the
+vocabulary-wide card took 0.42 / 0.83 / 1.17 ms per step at batch 1 / 4 / 16, nearly half of it top-p's pass over the
+sorted vocabulary.
 
 `sample` draws by the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks index i with probability p_i
 (the Gumbel-max trick in exp form). Noise comes from torch's current generator (`torch.manual_seed(s)` reproduces
