@@ -39,6 +39,14 @@ Parts (`--parts`, comma-separated; default all):
           path (g4ops/lora.py), else why not.
           `--grad-ckpt`: transformers' gradient checkpointing on every variant (use_reentrant=False); with long
           `--seqs`, the longest sequence that trains is the longest row without "OOM".
+          `--layout`: `single` (one sequence of `--seqs` tokens, the default), `padded` (a batch of 4 sequences
+          of seq/4 x (1, 7/8, 3/4, 5/8) tokens, right-padded to seq/4, attention_mask and -100 labels on the
+          padding) or `packed` (the same 4 sequences in one row, position_ids restarting at each, the first label of
+          each -100, as transformers' DataCollatorWithFlattening and TRL's padding-free packing give them). tok/s
+          counts real tokens, so padded and packed rows compare directly (each row records `real_tokens`). Both pass
+          use_cache=False, as a trainer's step should: with a cache, transformers builds no packed mask and the
+          packed sequences see each other (tests/test_packing.py; on the tiny model in fp32 stock's packed loss was
+          6.2725 with the cache, where each sequence alone gives 6.2803).
   parity  bf16: stock greedy decode of `--parity-tokens`, then teacher-forced top-1 agreement of g4ops with stock
           over that sequence; g4ops' own greedy decode and its first divergence from stock, with the stock and
           g4ops top-1/top-2 logit margins there. Noise floor: the same bf16 weights cast to fp32 (stock modules) give
@@ -373,6 +381,30 @@ def make_optimizer(name: str, model, device: str):
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+LAYOUT_FRACTIONS = (1.0, 0.875, 0.75, 0.625)  # padded / packed: the 4 sequences' lengths, in units of seq/4
+
+
+def train_batch(args, seq: int) -> dict:
+    """The model inputs of one train step for `--layout` (labels included) and its real (non-padding) tokens."""
+    if args.layout == "single":
+        ids = random_ids(args, 1, seq, seed=args.seed + seq)
+        return dict(input_ids=ids, labels=ids), ids.numel()
+    width = seq // len(LAYOUT_FRACTIONS)
+    lengths = [max(2, int(width * f)) for f in LAYOUT_FRACTIONS]
+    seqs = [random_ids(args, 1, n, seed=args.seed + seq + i)[0] for i, n in enumerate(lengths)]
+    if args.layout == "padded":
+        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=args.device)
+        mask = torch.zeros_like(ids)
+        for row, s in enumerate(seqs):
+            ids[row, : s.numel()], mask[row, : s.numel()] = s, 1
+        labels = ids.masked_fill(mask == 0, -100)
+        return dict(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False), int(mask.sum())
+    ids = torch.cat(seqs)[None]
+    position_ids = torch.cat([torch.arange(s.numel(), device=args.device) for s in seqs])[None]
+    labels = ids.masked_fill(position_ids == 0, -100)  # no prediction across a sequence boundary
+    return dict(input_ids=ids, position_ids=position_ids, labels=labels, use_cache=False), ids.numel()
+
+
 def lora_model(model, rank: int):
     """peft LoRA of `rank` on every Gemma-4 text projection, as a LoRA finetune sets it up (base weights frozen)."""
     import peft
@@ -382,7 +414,7 @@ def lora_model(model, rank: int):
     return peft.get_peft_model(model, config)
 
 
-def train_variant(args, variant: str, seq: int, ids: torch.Tensor) -> list[dict]:
+def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -> list[dict]:
     """One row per `--optimizers` entry, all on one model built and compiled once (a 42-layer compile takes
     minutes; the forward + backward graph does not depend on the optimizer). Each optimizer starts from the initial
     weights (restored from a host copy) and its state is freed before the next, so its peak memory is its own."""
@@ -390,7 +422,7 @@ def train_variant(args, variant: str, seq: int, ids: torch.Tensor) -> list[dict]
     state = {}  # everything big, dropped in `finally` even when a step ran out of memory
     rows = []
     use_g4ops = variant.startswith("g4ops")
-    common = dict(part="train", variant=variant, seq=seq)
+    common = dict(part="train", variant=variant, seq=seq, layout=args.layout, real_tokens=real_tokens)
     try:
         with g4ops_on(use_g4ops):
             state["model"] = model = model_for(args).train()
@@ -418,7 +450,7 @@ def train_variant(args, variant: str, seq: int, ids: torch.Tensor) -> list[dict]
                 state["initial"] = [p.detach().to("cpu", copy=True) for p in model.parameters()]
             for optimizer in args.optimizers:
                 rows.append(dict(common, optimizer=optimizer))
-                measure_optimizer_row(args, model, step_model, optimizer, ids, state, rows[-1])
+                measure_optimizer_row(args, model, step_model, optimizer, batch, real_tokens, state, rows[-1])
                 if use_g4ops and "error" not in rows[-1]:  # the kernels load on first use
                     rows[-1]["g4ops_kernels_loaded"] = g4ops.kernel_status()["loaded"]
     except Exception as exc:  # noqa: BLE001 - report (one row per optimizer not measured) and go on
@@ -436,7 +468,8 @@ def train_variant(args, variant: str, seq: int, ids: torch.Tensor) -> list[dict]
     return rows
 
 
-def measure_optimizer_row(args, model, step_model, optimizer: str, ids: torch.Tensor, state: dict, row: dict):
+def measure_optimizer_row(args, model, step_model, optimizer: str, batch: dict, real_tokens: int, state: dict,
+                          row: dict):  # fmt: skip
     """Fills `row`: first step (compilation included for the first optimizer of a compiled variant), first loss,
     median step time of `--steps` after `--warmup-steps`, peak memory; or the error."""
     try:
@@ -447,7 +480,7 @@ def measure_optimizer_row(args, model, step_model, optimizer: str, ids: torch.Te
         state["opt"] = opt = make_optimizer(optimizer, model, args.device)
 
         def step():
-            loss = step_model(input_ids=ids, labels=ids).loss
+            loss = step_model(**batch).loss
             loss.backward()
             if opt is not None:
                 opt.step()
@@ -477,7 +510,7 @@ def measure_optimizer_row(args, model, step_model, optimizer: str, ids: torch.Te
             sync(args.device)
             times.append(time.perf_counter() - t)
         median = statistics.median(times)
-        row.update(step_s=median, tok_s=ids.numel() / median, peak_gib=peak_gib(args.device))
+        row.update(step_s=median, tok_s=real_tokens / median, peak_gib=peak_gib(args.device))
     except Exception as exc:  # noqa: BLE001 - report and go on with the next optimizer
         row["error"] = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {exc}"
         if not is_oom(exc) and not isinstance(exc, ImportError):
@@ -492,10 +525,10 @@ def measure_optimizer_row(args, model, step_model, optimizer: str, ids: torch.Te
 def bench_train(args, results):
     rows = results["train"] = []
     for seq in args.seqs:
-        ids = random_ids(args, 1, seq, seed=args.seed + seq)
+        batch, real_tokens = train_batch(args, seq)
         stock = {}  # optimizer -> stock eager's row: the loss reference and the speedup's denominator
         for variant in args.variants:
-            for row in train_variant(args, variant, seq, ids):
+            for row in train_variant(args, variant, seq, batch, real_tokens):
                 optimizer = row.get("optimizer")
                 if variant == "stock" and "first_loss" in row:
                     stock[optimizer] = row
@@ -665,8 +698,8 @@ def write_json(args, results):
 
 
 def print_row(row):
-    keys = ("part", "variant", "batch", "seq", "lora_r", "optimizer", "tok_s", "peak_gib", "speedup_vs_stock", "first_loss",
-            "loss_matches_stock", "first_step_s", "warmup_s", "first_fast_token",
+    keys = ("part", "variant", "batch", "seq", "layout", "real_tokens", "lora_r", "optimizer", "tok_s", "peak_gib",
+            "speedup_vs_stock", "first_loss", "loss_matches_stock", "first_step_s", "warmup_s", "first_fast_token",
             "first_fast_token_since_process_start_s", "error")
     print("  ".join(f"{k}={fmt(row[k])}" for k in keys if k in row), flush=True)
 
@@ -726,6 +759,8 @@ def parse_args(argv=None):
                     help="decode: each variant and batch size in its own Python process (default on CUDA), or all in "
                          "this one (default on CPU)")
     ap.add_argument("--seqs", default="2048,8192", help="train sequence lengths (batch 1)")
+    ap.add_argument("--layout", choices=["single", "padded", "packed"], default="single",
+                    help="train: one sequence, 4 sequences padded into a batch, or the same 4 packed in one row")
     ap.add_argument("--g4ops-attention", action="store_true",
                     help="train: the g4ops variants also run g4ops attention (enable(model, attention=True))")
     ap.add_argument("--sliding", choices=["flex", "stock"], default="flex",

@@ -69,6 +69,23 @@ def test_e2e_train_with_gradient_checkpointing(tmp_path):
     assert rows["g4ops"]["loss_matches_stock"] is True
 
 
+def test_e2e_train_padded_and_packed_layouts(tmp_path):
+    """--layout padded / packed (issue 18's rows): the same 4 sequences as a padded batch and packed in one row give
+    one loss (fp32: each sequence's own tokens and positions, nothing seen across a boundary), stock's and g4ops'."""
+    losses = {}
+    for layout in ("padded", "packed"):
+        out = tmp_path / f"e2e-{layout}.json"
+        _run(["bench/e2e.py", "--device", "cpu", "--shape", "tiny-e4b", "--smoke", "--parts", "train", "--optimizers",
+              "none", "--layout", layout, "--json", str(out)], tmp_path)  # fmt: skip
+        rows = {r["variant"]: r for r in json.loads(out.read_text())["train"]}
+        assert all(rows[v]["layout"] == layout and rows[v]["tok_s"] > 0 for v in ("stock", "g4ops")), rows
+        assert rows["g4ops"]["loss_matches_stock"] is True
+        losses[layout] = {v: (rows[v]["first_loss"], rows[v]["real_tokens"]) for v in ("stock", "g4ops")}
+    for v in ("stock", "g4ops"):
+        (padded, n_padded), (packed, n_packed) = losses["padded"][v], losses["packed"][v]
+        assert n_padded == n_packed and abs(padded - packed) <= 1e-5 * abs(padded), losses
+
+
 def test_e2e_decode_variants_in_their_own_processes(tmp_path):
     """--decode-processes each (the CUDA default): one child process per variant, rows merged and compared."""
     out = tmp_path / "e2e.json"
