@@ -56,13 +56,18 @@ stage() {
   return 0
 }
 
+# TEST_PATHS (default tests/): the files to run. The whole suite passed 1624 of its 1644 cuda items within 585 s in
+# session 15 and was cut there: run it in two calls on the warm machine, the kernel files, then the rest:
+#   KERNELS="tests/test_cuda_kernels.py tests/test_ops.py tests/test_decode_attention.py tests/test_adamw.py"
+#   STAGES=test TEST_PATHS="$KERNELS" bash bench/gpu_round.sh
+#   STAGES=test TEST_PATHS="$(ls tests/test_*.py | grep -v -F -x "$(echo $KERNELS | tr ' ' '\n')")" bash bench/gpu_round.sh
 # PYTEST_ARGS (default: the whole suite on 12 workers): keep -v, so that a suite cut by TEST_TIMEOUT still names
 # each failure as it happens (-q would cancel it); the reasons are printed only when the session ends, so rerun a
 # named failure alone (with --timeout N: pytest-timeout is on the image) to read it. PYTEST_K: a -k expression
 # (PYTEST_ARGS is split on spaces, so quotes inside it do not group words).
 # shellcheck disable=SC2086  # the *_ARGS variables are word lists on purpose
 has test && stage tests "$TEST_TIMEOUT" $PY -m pytest -m cuda -rf -p no:cacheprovider ${PYTEST_ARGS:--n 12 -v --tb=short} \
-  ${PYTEST_K:+-k "$PYTEST_K"} tests/
+  ${PYTEST_K:+-k "$PYTEST_K"} ${TEST_PATHS:-tests/}
 # shellcheck disable=SC2086
 has bench && stage bench "$BENCH_TIMEOUT" $PY bench/kernels.py --json "$OUT/kernels.json" ${BENCH_ARGS:-}
 # shellcheck disable=SC2086
