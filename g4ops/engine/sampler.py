@@ -118,11 +118,12 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | 
     return scores
 
 
-def top_candidates(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, V] -> (values [B, c], ids [B, c]), c = min(n, V): each row's c largest entries, in vocabulary order."""
-    values, ids = torch.topk(logits, min(n, logits.shape[-1]), dim=-1)
-    ids, order = torch.sort(ids, dim=-1)
-    return values.gather(1, order), ids
+def top_candidates(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, V] -> (values [B, n], ids [B, n], top [B, n + 1]), n < V: each row's n largest entries in vocabulary
+    order, and its n + 1 largest values, descending (the last is the largest value left out)."""
+    top, ids = torch.topk(logits, n + 1, dim=-1)
+    ids, order = torch.sort(ids[:, :n], dim=-1)
+    return top[:, :n].gather(1, order), ids, top
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
@@ -143,13 +144,15 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor 
     temperature = torch.where(greedy, 1.0, _row(temperature, b, "temperature", torch.float32, logits.device))
     n = CANDIDATES_PER_CAP * k_cap if k_cap is not None else v
     if n < v and top_k is not None and min_tokens_to_keep <= k_cap:
-        scores, ids = top_candidates(logits, n)
-        if ties_overflow is not None:  # top-k keeps what scores >= its k-th largest after temperature
-            scaled = divide_as_by_float(scores, temperature[:, None])
+        scores, ids, top = top_candidates(logits, n)
+        if ties_overflow is not None:
+            # top-k keeps every score >= its k-th largest after temperature, a monotone map of the logits: more than
+            # the candidates iff the largest logit left out scales to that threshold as well
             k = top_k.to(torch.long).clamp(min=min_tokens_to_keep, max=k_cap)
-            kth = torch.topk(scaled, k_cap, dim=-1).values.gather(1, (k - 1)[:, None])[:, 0]
-            tied = (divide_as_by_float(logits, temperature[:, None]) >= kth[:, None]).sum(dim=-1) > n
-            ties_overflow.logical_or_((tied & kth.isfinite() & ~greedy).any())
+            scaled = divide_as_by_float(torch.cat([top.gather(1, (k - 1)[:, None]), top[:, n:]], dim=1),
+                                        temperature[:, None])  # fmt: skip
+            kth, left_out = scaled[:, 0], scaled[:, 1]
+            ties_overflow.logical_or_(((left_out >= kth) & kth.isfinite() & ~greedy).any())
     else:
         scores, ids, k_cap = logits, None, None if k_cap is None else min(k_cap, v)
     probs = warp(scores, temperature, top_k, top_p, min_p, min_tokens_to_keep, k_cap=k_cap,
@@ -215,7 +218,6 @@ def noise_at(seed: torch.Tensor, counter: torch.Tensor, ids: torch.Tensor) -> to
     # 23 bits: (2^23 - 1 + 0.5) * 2^-23 = 1 - 2^-24 is an fp32 number; with 24 bits the top value rounded to 1.0,
     # and its noise -log(1) to -0.0 (one id in 2^24)
     uniform = ((h >> 9).to(torch.float32) + 0.5) * 2.0**-23  # (0, 1): never 0, never 1
-
     return -torch.log(uniform)
 
 
