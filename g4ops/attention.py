@@ -22,6 +22,10 @@ Semantics (what `attention` returns is softmax(scale * q k^T + mask) v, per quer
 - Queries are the last L positions (bottom-right aligned: query i sits at position S - L + i; L == S in training).
   Query position p sees key position k when k <= p, and with a sliding window also k > p - window (transformers'
   `sliding_window_overlay`: `kv_idx > q_idx - sliding_window`).
+- `mask` (optional, bool, [B or 1, 1, L, S]: transformers' padding or packed-sequence mask): a key is visible only
+  where the mask is also True. It narrows the pattern above and never widens it (keys past a query's position are
+  not computed). A query row that sees no key (a left-pad query) gets output 0 and passes no gradient, as
+  `g4ops.integration` makes stock SDPA give such rows.
 - Numerics: scores, the softmax and its statistics in fp32 (fp64 for fp64 inputs); every GEMM accumulates in fp32
   and the outputs and gradients are rounded once to the input dtype. bf16/fp16: the GEMMs take bf16/fp16 operands
   (tensor cores on CUDA; elsewhere the same exact products and fp32 sums on upcast operands), and the fp32 P and dS
@@ -131,8 +135,17 @@ def _key_range(q0: int, q1: int, offset: int, window: int | None) -> tuple[int, 
 # A chunk of G * rows query rows of one kv head is one GEMM batch entry: [B * Hkv, G * rows, D].
 
 
-def _forward(q, k, v, scale: float, window: int | None, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (out, the fp32 row logsumexp the backward needs)."""
+def _seen(q0: int, q1: int, lo: int, hi: int, offset: int, window: int | None, mask, device) -> torch.Tensor:
+    """Visibility of keys [lo, hi) from query rows [q0, q1), broadcastable to the [b, hkv, g, rows, keys] scores:
+    the pattern [rows, keys], and with `mask` ([B or 1, 1, L, S] bool) [B or 1, 1, 1, rows, keys]."""
+    seen = _visible(torch.arange(q0 + offset, q1 + offset, device=device), torch.arange(lo, hi, device=device), window)
+    if mask is None:
+        return seen
+    return (seen & mask[:, :, q0:q1, lo:hi])[:, :, None]
+
+
+def _forward(q, k, v, scale: float, window: int | None, chunk: int, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (out, the fp32 row logsumexp the backward needs; 0 for a row that sees no key)."""
     b, hkv, g, n, d = q.shape
     s_len, e = k.shape[2], v.shape[3]
     acc, op = _acc_dtype(q.dtype), _operand_dtype(q)
@@ -148,17 +161,17 @@ def _forward(q, k, v, scale: float, window: int | None, chunk: int) -> tuple[tor
             kc = ko[:, :, lo:hi].reshape(b * hkv, hi - lo, d)
             vc = vo[:, :, lo:hi].reshape(b * hkv, hi - lo, e)
             s = (_bmm(qc, kc.transpose(1, 2), acc) * scale).view(b, hkv, g, rows, hi - lo)
-            pos = torch.arange(q0 + offset, q1 + offset, device=q.device)
-            seen = _visible(pos, torch.arange(lo, hi, device=q.device), window)
-            s = s.masked_fill(~seen, float("-inf"))
-            lse = torch.logsumexp(s, dim=-1)  # every row sees at least its own key: finite
+            s = s.masked_fill(~_seen(q0, q1, lo, hi, offset, window, mask, q.device), float("-inf"))
+            lse = torch.logsumexp(s, dim=-1)  # without a mask every row sees at least its own key: finite
+            if mask is not None:  # a row without a key: -inf; as 0 its P is exp(-inf) = 0, so out 0, no gradient
+                lse = lse.masked_fill(lse == float("-inf"), 0.0)
             p = _parts(torch.exp(s - lse[..., None]).view(b * hkv, g * rows, hi - lo), op)
             outs.append(_bmm_sum(p, vc, acc).view(b, hkv, g, rows, e).to(q.dtype))
             lses.append(lse)
     return torch.cat(outs, dim=3), torch.cat(lses, dim=3)
 
 
-def _backward(grad_out, q, k, v, lse, scale: float, window: int | None, chunk: int):
+def _backward(grad_out, q, k, v, lse, scale: float, window: int | None, chunk: int, mask=None):
     """-> (dq, dk, dv). dV += P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), dQ = dS K * scale,
     dK += dS^T Q * scale."""
     b, hkv, g, n, d = q.shape
@@ -180,8 +193,7 @@ def _backward(grad_out, q, k, v, lse, scale: float, window: int | None, chunk: i
             kc = ko[:, :, lo:hi].reshape(b * hkv, width, d)
             vc = vo[:, :, lo:hi].reshape(b * hkv, width, e)
             s = (_bmm(qc, kc.transpose(1, 2), acc) * scale).view(b, hkv, g, rows, width)
-            pos = torch.arange(q0 + offset, q1 + offset, device=q.device)
-            seen = _visible(pos, torch.arange(lo, hi, device=q.device), window)
+            seen = _seen(q0, q1, lo, hi, offset, window, mask, q.device)
             p = torch.exp(s.masked_fill(~seen, float("-inf")) - lse[:, :, :, q0:q1, None])
             dp = _bmm(doc, vc.transpose(1, 2), acc).view(b, hkv, g, rows, width)
             # rowsum(P * dP) equals rowsum(dO * O) (every key a row sees is in this block), but to fp32: taken
@@ -196,36 +208,39 @@ def _backward(grad_out, q, k, v, lse, scale: float, window: int | None, chunk: i
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, window: int | None, chunk: int):
-        out, lse = _forward(q, k, v, scale, window, chunk)
-        ctx.save_for_backward(q, k, v, lse)
+    def forward(ctx, q, k, v, scale: float, window: int | None, chunk: int, mask):
+        out, lse = _forward(q, k, v, scale, window, chunk, mask)
+        ctx.save_for_backward(q, k, v, lse, mask)
         ctx.scale, ctx.window, ctx.chunk = scale, window, chunk
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, lse = ctx.saved_tensors
-        return *_backward(grad_out, q, k, v, lse, ctx.scale, ctx.window, ctx.chunk), None, None, None
+        q, k, v, lse, mask = ctx.saved_tensors
+        return *_backward(grad_out, q, k, v, lse, ctx.scale, ctx.window, ctx.chunk, mask), None, None, None, None
 
 
 # The op `attention` calls when a gradient is wanted (module docstring): q already grouped by kv head, 5-D.
-_lib.define("attention(Tensor q, Tensor k, Tensor v, float scale, SymInt? window, SymInt chunk) -> Tensor")
+_lib.define(
+    "attention(Tensor q, Tensor k, Tensor v, float scale, SymInt? window, SymInt chunk, Tensor? mask=None) -> Tensor"
+)
 
 
-def _attention_kernel(q, k, v, scale, window, chunk):
-    return _forward(q, k, v, scale, window, chunk)[0]
+def _attention_kernel(q, k, v, scale, window, chunk, mask=None):
+    return _forward(q, k, v, scale, window, chunk, mask)[0]
 
 
-def _attention_autograd(keyset, q, k, v, scale, window, chunk):
+def _attention_autograd(keyset, q, k, v, scale, window, chunk, mask=None):
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _Attention.apply(q, k, v, scale, window, chunk)
-    return torch.ops.g4ops.attention.default.redispatch(keyset & _BELOW_AUTOGRAD, q, k, v, scale, window, chunk)
+        return _Attention.apply(q, k, v, scale, window, chunk, mask)
+    return torch.ops.g4ops.attention.default.redispatch(keyset & _BELOW_AUTOGRAD, q, k, v, scale, window, chunk, mask)
 
 
 @torch.library.register_fake("g4ops::attention", lib=_lib)
-def _attention_fake(q, k, v, scale, window, chunk):
+def _attention_fake(q, k, v, scale, window, chunk, mask=None):
     torch._check(q.dim() == 5 and k.dim() == 4 and v.dim() == 4,
                  lambda: "g4ops::attention: q [B, Hkv, G, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv]")  # fmt: skip
+    torch._check(mask is None or mask.dim() == 4, lambda: "g4ops::attention: mask [B or 1, 1, L, S]")
     return q.new_empty((*q.shape[:4], v.shape[3]))
 
 
@@ -233,7 +248,7 @@ _lib.impl("attention", _attention_kernel, "CompositeExplicitAutograd")
 _lib.impl("attention", _attention_autograd, "Autograd", with_keyset=True)
 
 
-def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window, chunk: int) -> None:
+def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window, chunk: int, mask=None) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"g4ops.attention: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -268,6 +283,16 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window, 
         raise ValueError(f"g4ops.attention: window must be a positive int or None, got {window!r}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"g4ops.attention: chunk must be a positive int, got {chunk!r}")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise TypeError(f"g4ops.attention: mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask))}")
+        b, _, n, _ = query.shape
+        shape_ok = mask.dim() == 4 and mask.shape[0] in (1, b) and mask.shape[1] == 1
+        if not shape_ok or mask.shape[2:] != (n, key.shape[2]):
+            raise ValueError(f"g4ops.attention: mask shape {tuple(mask.shape)} must be [{b} or 1, 1, {n}, {key.shape[2]}] "
+                             "(batch or 1, one mask for all heads, query length, key length)")  # fmt: skip
+        if mask.device != query.device:
+            raise ValueError(f"g4ops.attention: mask is on {mask.device}, query on {query.device}")
 
 
 def attention(
@@ -277,16 +302,18 @@ def attention(
     scale: float | None = None,
     window: int | None = None,
     chunk: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention, optionally sliding-window, exact (see the module docstring for the semantics).
 
     query [B, Hq, L, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] (any strides; Hq a multiple of Hkv; L <= S, the
     queries being the last L positions); scale defaults to 1/sqrt(D) like SDPA; window: a query at position p sees
-    keys p - window < k <= p; chunk: query rows per GEMM block (default `default_chunk(L)`). Returns [B, Hq, L, Dv]
-    in the query's dtype."""
+    keys p - window < k <= p; chunk: query rows per GEMM block (default `default_chunk(L)`); mask: [B or 1, 1, L, S]
+    bool, keys hidden where False (padding, packed sequences; rows left without a key give 0). Returns
+    [B, Hq, L, Dv] in the query's dtype."""
     if chunk is None:
         chunk = default_chunk(query.shape[2])
-    _check(query, key, value, window, chunk)
+    _check(query, key, value, window, chunk, mask)
     b, hq, n, d = query.shape
     hkv = key.shape[1]
     if scale is None:
@@ -294,9 +321,9 @@ def attention(
     q = query.contiguous().view(b, hkv, hq // hkv, n, d)
     k, v = key.contiguous(), value.contiguous()
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out = torch.ops.g4ops.attention(q, k, v, float(scale), window, chunk)
+        out = torch.ops.g4ops.attention(q, k, v, float(scale), window, chunk, mask)
     else:
-        out = _forward(q, k, v, float(scale), window, chunk)[0]
+        out = _forward(q, k, v, float(scale), window, chunk, mask)[0]
     return out.view(b, hq, n, value.shape[-1])
 
 

@@ -20,10 +20,10 @@ This is the only module that knows transformers' Gemma-4 class names and quirks 
 - Attention (opt-in): `enable()` registers a "g4ops" attention implementation with transformers' AttentionInterface
   and AttentionMaskInterface (`from_pretrained(..., attn_implementation="g4ops")` then works), and
   `enable(model, attention=True)` switches that model's Gemma-4 text attention from "sdpa" to it. It runs
-  `g4ops.attention` (exact, GEMM-chunked, any head_dim) on the full-attention layers for training and prefill without
-  padding; on the sliding layers of such a call FlexAttention over the window's band when compiled on CUDA, else
-  stock SDPA with the dense window mask; and stock SDPA with the mask stock would have built everywhere else
-  (section "Attention" below).
+  `g4ops.attention` (exact, GEMM-chunked, any head_dim) on the full-attention layers for training and prefill, with
+  stock's padding or packed-sequence mask where there is one; on the sliding layers of such a call without a mask
+  FlexAttention over the window's band when compiled on CUDA, else stock SDPA with the dense window mask; and stock
+  SDPA with the mask stock would have built everywhere else (section "Attention" below).
 
 - Decode: `Gemma4ForCausalLM.generate` (and the multimodal class's, for text-only calls) is wrapped so that calls on
   CUDA that the decoder reproduces exactly (greedy or sampled, default or static cache: g4ops/decode.py says which)
@@ -514,14 +514,16 @@ def _unpatch_module(module: nn.Module) -> None:
 # q_len == kv_len positions from 0 (no padding, no cache offset, no packed sequences, image blocks or bidirectional
 # layers: transformers forbids the is_causal skip for those), so the attention receives mask None plus its
 # `sliding_window`; full layers then run g4ops.attention, sliding layers FlexAttention (compiled CUDA) or stock sdpa
-# with the pattern as a dense mask (cuDNN, faster than g4ops.attention there); everything else gets stock sdpa's mask
-# and stock sdpa attention. A None mask then always means "causal, queries bottom-right aligned". Stock sdpa may also skip its mask for a
+# with the pattern as a dense mask (cuDNN, faster than g4ops.attention there). Everything else gets stock sdpa's
+# mask: on a full layer of a call with queries = keys (padding, packed sequences) g4ops.attention runs with that
+# mask, elsewhere stock sdpa attention. A None mask then always means "causal, queries bottom-right aligned". Stock
+# sdpa may also skip its mask for a
 # static-cache prefill (L < S, top-left aligned); we never let it for L > 1, because transformers 5.24 slices the
 # queries of KV-shared layers to the last rows when the mask is None under any implementation not named "sdpa",
 # and one alignment must be right for both.
 #
 # Padding and packing (tests/test_packing.py): whatever mask reaches stock sdpa from here has a visible key in every
-# query row (`_open_empty_rows`), and those rows' outputs are 0, as CPU sdpa gives them: a fully masked row (a
+# query row (`_open_empty_rows`), and those rows' outputs are 0, as CPU sdpa gives them and g4ops.attention does: a fully masked row (a
 # left-pad query, or a pad run longer than the window) is reported NaN from CUDA sdpa (unsloth PR 9848: B200,
 # torch 2.13), and a NaN there reaches real tokens through 0 * NaN in P @ V in the next layer (transformers issue
 # 45201's NaN losses with padding at batch > 1).
@@ -693,19 +695,35 @@ def g4ops_attention_forward(
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     position_ids = kwargs.get("position_ids") if causal else None
+    plain = dropout == 0.0 and not kwargs.get("output_attentions") and all(
+        kwargs.get(name) is None for name in ("softcap", "position_bias")
+    )
+    # a full layer of a training-shaped call (queries = keys, from position 0) with padding or packed sequences:
+    # g4ops.attention with the mask, where stock's head_dim-512 SDPA is its slow mem-efficient kernel. Only for
+    # causal-only masks: transformers' full-layer masks narrow the causal pattern unless a config asks for
+    # bidirectional (vision) blocks, which g4ops.attention would not compute (it sees no key past a query).
+    full_masked = (plain and causal and sliding_window is None and q_len == kv_len
+                   and getattr(module.config, "use_bidirectional_attention", None) is None)  # fmt: skip
+
+    def masked(mask, every_row_sees_a_key: bool = False):
+        if (full_masked and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+                and mask.shape[0] in (1, query.shape[0]) and mask.shape[2:] == (q_len, kv_len)):  # fmt: skip
+            return attention(query, key, value, scale=scaling, mask=mask).transpose(1, 2).contiguous(), None
+        return stock(mask, every_row_sees_a_key)
+
     segments = _packed_segments(position_ids, q_len, kv_len, attention_mask is not None)
     if segments is not None:  # packed sequences, with or without transformers' packed mask (section comment)
         if attention_mask is None:  # each query sees itself: the diagonal is in the pattern and its sequence
             pattern = _pattern_mask(q_len, kv_len, sliding_window, query.device)
-            return stock(_with_segments(pattern, segments), every_row_sees_a_key=True)
-        return stock(_with_segments(attention_mask, segments))
-    if attention_mask is not None or not causal or q_len > kv_len:
-        return stock(attention_mask)  # stock's mask (padding, cache), or stock's meaning of no mask
+            return masked(_with_segments(pattern, segments), every_row_sees_a_key=True)
+        return masked(_with_segments(attention_mask, segments))
+    if attention_mask is not None:
+        return masked(attention_mask)  # stock's mask: padding, packing (compiled), a cache
+    if not causal or q_len > kv_len:
+        return stock(None)  # stock's meaning of no mask
     if q_len == 1 and (sliding_window is None or kv_len <= sliding_window):
         return stock(None)  # a decode step that sees every key: stock's fast path, same result
-    if dropout != 0.0 or kwargs.get("output_attentions") or any(
-        kwargs.get(name) is not None for name in ("softcap", "position_bias")
-    ):
+    if not plain:
         return stock(_pattern_mask(q_len, kv_len, sliding_window, query.device), every_row_sees_a_key=True)
     if sliding_window is not None:
         if SLIDING_VIA_FLEX and q_len > sliding_window and flex_sliding_usable(query):

@@ -52,17 +52,26 @@ def visible(q_len: int, kv_len: int, window: int | None, device="cpu") -> torch.
     return seen if window is None else seen & (k_pos > q_pos - window)
 
 
-def oracle(q, k, v, scale, window, grad_out):
+def seen_by(q_len: int, kv_len: int, window: int | None, mask, device) -> torch.Tensor:
+    """The pattern, narrowed by a [B or 1, 1, L, S] bool mask when there is one."""
+    seen = visible(q_len, kv_len, window, device)
+    return seen if mask is None else seen & mask
+
+
+def oracle(q, k, v, scale, window, grad_out, mask=None):
     """(out, (dq, dk, dv), abs terms of (out, dq, dk, dv)) in fp64. Gradients by fp64 autograd through the plain
     formula; the abs terms replace every factor of each result's final GEMM, and the terms of dS, by their absolute
-    values (for the condition number of that sum, tests/oracle.py `condition`)."""
+    values (for the condition number of that sum, tests/oracle.py `condition`). `mask`: keys hidden where False; a
+    query row left without a key has output 0 and no gradient."""
     q, k, v = (t.detach().to(F64).requires_grad_() for t in (q, k, v))
     dout = grad_out.detach().to(F64)
     group = q.shape[1] // k.shape[1]
     kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    seen = seen_by(q.shape[2], k.shape[2], window, mask, q.device)
+    has_key = seen.any(-1, keepdim=True)
     s = (q @ kr.transpose(-1, -2)) * scale
-    s = s.masked_fill(~visible(q.shape[2], k.shape[2], window, q.device), -math.inf)
-    p = s.softmax(-1)
+    s = s.masked_fill(~seen, -math.inf).masked_fill(~has_key, 0.0)  # no NaN row, so no NaN gradient through where
+    p = torch.where(has_key, s.softmax(-1), 0.0)
     out = p @ vr
     grads = torch.autograd.grad(out, (q, k, v), dout)
     with torch.no_grad():
@@ -81,12 +90,15 @@ def oracle(q, k, v, scale, window, grad_out):
     return out.detach(), grads, abs_terms
 
 
-def stock_sdpa(q, k, v, scale, window, backend=None):
-    """torch SDPA with the same pattern as an explicit boolean mask (what transformers runs for a sliding layer), on
-    `backend` (None: the one torch picks)."""
-    mask = visible(q.shape[2], k.shape[2], window, q.device)
+def stock_sdpa(q, k, v, scale, window, backend=None, mask=None):
+    """torch SDPA with the same pattern (and `mask`) as an explicit boolean mask (what transformers runs for a
+    sliding layer), on `backend` (None: the one torch picks); rows without a key give 0, as g4ops' stock path
+    makes them."""
+    seen = seen_by(q.shape[2], k.shape[2], window, mask, q.device)
+    has_key = seen.any(-1, keepdim=True)
     with contextlib.nullcontext() if backend is None else sdpa_kernel(backend):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen | ~has_key, scale=scale, enable_gqa=True)
+    return torch.where(has_key, out, 0.0)
 
 
 def transformer_view(b, seq, heads, d, dtype, gen, device, scale=1.0):
@@ -94,17 +106,18 @@ def transformer_view(b, seq, heads, d, dtype, gen, device, scale=1.0):
     return O.make_tensor((b, seq, heads, d), dtype, gen, device=device, scale=scale).transpose(1, 2)
 
 
-def chunked(q, k, v, scale, window, chunk):
-    return attention(q, k, v, scale, window, chunk)
+def chunked(q, k, v, scale, window, chunk, mask=None):
+    return attention(q, k, v, scale, window, chunk, mask=mask)
 
 
 def check_against_oracle_and_stock(
     device, dtype, b, hq, hkv, q_len, kv_len, d, window, chunk, seed, draws=1, scale=None, stock_backend=None,
-    impl=chunked,
+    impl=chunked, make_mask=None,
 ):
     """g4ops' error vs fp64 is within bound (1) and no larger than stock SDPA's (bound 2), for out, dq, dk, dv.
     scale None: 2 / sqrt(d), peakier softmax rows than SDPA's default 1 / sqrt(d). `impl(q, k, v, scale, window,
-    chunk)`: the g4ops path under test."""
+    chunk)`: the g4ops path under test. `make_mask(gen)`: a fresh [B or 1, 1, L, S] bool mask per draw, passed to
+    impl, stock and the oracle as `mask`."""
     gen = _gen(seed)
     scale = 2.0 * d**-0.5 if scale is None else scale
     sums = {name: [0.0, 0.0, 0.0] for name in ("out", "dq", "dk", "dv")}
@@ -113,13 +126,14 @@ def check_against_oracle_and_stock(
         k = transformer_view(b, kv_len, hkv, d, dtype, gen, device)
         v = transformer_view(b, kv_len, hkv, d, dtype, gen, device)
         dout = transformer_view(b, q_len, hq, d, dtype, gen, device)  # non-contiguous like o_proj's input grad
+        masked = {} if make_mask is None else {"mask": make_mask(gen).to(device)}
 
-        out, grads = O.with_grads(lambda q, k, v: impl(q, k, v, scale, window, chunk), [q, k, v], dout)
+        out, grads = O.with_grads(lambda q, k, v: impl(q, k, v, scale, window, chunk, **masked), [q, k, v], dout)
         assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
         s_out, s_grads = O.with_grads(
-            lambda q, k, v: stock_sdpa(q, k, v, scale, window, stock_backend), [q, k, v], dout
+            lambda q, k, v: stock_sdpa(q, k, v, scale, window, stock_backend, **masked), [q, k, v], dout
         )
-        ref, ref_grads, abs_terms = oracle(q, k, v, scale, window, dout)
+        ref, ref_grads, abs_terms = oracle(q, k, v, scale, window, dout, **masked)
         for i, name in enumerate(sums):
             mine, stock, r = (out, s_out, ref) if i == 0 else (grads[i - 1], s_grads[i - 1], ref_grads[i - 1])
             sums[name][0] += O.rel_err(mine, r)
@@ -183,6 +197,117 @@ BF16_CASES = [
 def test_bf16_tensor_core_numerics_no_worse_than_stock_math(config):
     *shape, scale = config
     check_against_oracle_and_stock("cpu", torch.bfloat16, *shape, seed=6, scale=scale, stock_backend=SDPBackend.MATH)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A padding or packed-sequence mask (transformers' [B or 1, 1, L, S] bool), as the integration passes on full layers
+
+
+def padding_mask(b: int, q_len: int, kv_len: int, side: str, gen: torch.Generator) -> torch.Tensor:
+    """[B, 1, L, S]: each row keeps a random number of real keys (row 0 all, row 1 none when B > 2: a row whose
+    queries see nothing), padded on `side`; a stride-0 expansion of [B, 1, 1, S], as transformers builds it."""
+    real = torch.randint(1, kv_len + 1, (b,), generator=gen)
+    real[0] = kv_len
+    if b > 2:
+        real[1] = 0
+    pos = torch.arange(kv_len)
+    keep = pos[None, :] >= kv_len - real[:, None] if side == "left" else pos[None, :] < real[:, None]
+    return keep[:, None, None, :].expand(b, 1, q_len, kv_len)
+
+
+def packed_mask(b: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """[B, 1, L, L]: each row a random packing of sequences (1 to 5 of them, some of one token): keys of other
+    sequences hidden."""
+    rows = []
+    for _ in range(b):
+        starts = torch.zeros(length, dtype=torch.long)
+        cuts = torch.randperm(length - 1, generator=gen)[: int(torch.randint(0, 5, (1,), generator=gen))] + 1
+        starts[cuts] = 1
+        segments = starts.cumsum(0)
+        rows.append(segments[:, None] == segments[None, :])
+    return torch.stack(rows)[:, None]
+
+
+# (B, Hq, Hkv, L, S, D, window, chunk, kind): both paddings with an empty row, packing, one mask broadcast over the
+# batch, with and without a window, head_dim 512 (E4B's full layers), chunks cutting sequences and pads.
+MASK_CASES = [
+    (3, 4, 1, 37, 37, 16, None, 16, "left"),
+    (3, 8, 2, 41, 41, 16, None, 8, "right"),
+    (2, 4, 2, 29, 29, 512, None, 8, "left"),
+    (2, 8, 2, 70, 70, 32, None, 32, "packed"),
+    (3, 4, 1, 45, 45, 16, 7, 16, "packed"),
+    (2, 4, 2, 33, 33, 16, None, 512, "packed-broadcast"),
+    (3, 4, 1, 40, 40, 16, 5, 8, "left"),
+    (2, 4, 1, 9, 20, 16, None, 4, "right"),  # queries after a cache (L < S)
+]
+
+
+def mask_maker(b, q_len, kv_len, kind):
+    if kind in ("left", "right"):
+        return lambda gen: padding_mask(b, q_len, kv_len, kind, gen)
+    return lambda gen: packed_mask(1 if kind == "packed-broadcast" else b, q_len, gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("config", MASK_CASES, ids=lambda c: "B{}-H{}x{}-L{}-S{}-D{}-w{}-c{}-{}".format(*c))
+def test_mask_matches_fp64_oracle_and_is_no_worse_than_stock_sdpa(device, dtype, config):
+    *shape, kind = config
+    b, hq, _, q_len, kv_len, d = shape[:6]
+    draws = max(2, min(16, 4096 // (b * hq * q_len * d)))  # a fresh mask per draw
+    check_against_oracle_and_stock(device, dtype, *shape, seed=11, draws=draws,
+                                   make_mask=mask_maker(b, q_len, kv_len, kind))  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_without_a_key_give_zero_and_no_gradient(device):
+    gen = _gen(12)
+    q = transformer_view(3, 11, 4, 8, torch.float32, gen, device).detach().requires_grad_()
+    k, v = (transformer_view(3, 11, 2, 8, torch.float32, gen, device).detach().requires_grad_() for _ in "kv")
+    mask = padding_mask(3, 11, 11, "left", gen).to(device)
+    empty = ~(mask & visible(11, 11, None, device)).any(-1)  # [B, 1, L]: row 1 and the other rows' left pads
+    assert empty[1].all() and not empty[0].any()
+    out = attention(q, k, v, 0.5, None, 4, mask=mask)
+    out.backward(torch.ones_like(out))
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    assert (out.transpose(1, 2)[empty.transpose(1, 2).squeeze(-1)] == 0).all()
+    assert (q.grad.transpose(1, 2)[empty.transpose(1, 2).squeeze(-1)] == 0).all()
+    assert (k.grad[1] == 0).all() and (v.grad[1] == 0).all()  # row 1 has no real key: nothing reads its k, v
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["left", "packed"])
+def test_gradcheck_fp64_with_a_mask(device, kind):
+    gen = _gen(13)
+    q = transformer_view(3, 8, 4, 5, F64, gen, device)
+    k = transformer_view(3, 8, 2, 5, F64, gen, device)
+    v = transformer_view(3, 8, 2, 5, F64, gen, device)
+    mask = mask_maker(3, 8, 8, kind)(gen).to(device)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    assert torch.autograd.gradcheck(lambda q, k, v: attention(q, k, v, 0.7, None, chunk=3, mask=mask), leaves)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_attention_op_with_a_mask(device):
+    gen = _gen(14)
+    q = O.make_tensor((2, 2, 2, 6, 5), torch.float32, gen, device=device).detach().requires_grad_()
+    k, v = (O.make_tensor((2, 2, 6, 5), torch.float32, gen, device=device).detach().requires_grad_() for _ in "kv")
+    mask = packed_mask(2, 6, gen).to(device)
+    torch.library.opcheck(torch.ops.g4ops.attention.default, (q, k, v, 0.7, None, 4, mask))
+
+
+def test_compile_fullgraph_with_a_mask_matches_eager():
+    gen = _gen(15)
+    q = transformer_view(2, 19, 4, 16, torch.float32, gen, "cpu").detach().requires_grad_()
+    k, v = (transformer_view(2, 19, 2, 16, torch.float32, gen, "cpu").detach().requires_grad_() for _ in "kv")
+    mask = padding_mask(2, 19, 19, "left", gen)
+    dout = transformer_view(2, 19, 4, 16, torch.float32, gen, "cpu")
+    fn = lambda q, k, v: attention(q, k, v, 0.5, None, 8, mask=mask)  # noqa: E731
+    eager_out, eager_grads = O.with_grads(fn, [q, k, v], dout)
+    torch._dynamo.reset()
+    out, grads = O.with_grads(torch.compile(fn, fullgraph=True, backend="aot_eager"), [q, k, v], dout)
+    assert O.rel_err(out, eager_out) <= 1e-6
+    assert all(O.rel_err(g, e) <= 1e-6 for g, e in zip(grads, eager_grads))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -505,7 +630,7 @@ def kernel_calls(monkeypatch):
     real = attention_module.attention
 
     def spy(query, key, value, scale=None, window=None, **kwargs):
-        calls.append((tuple(query.shape), tuple(key.shape), window))
+        calls.append((tuple(query.shape), tuple(key.shape), window, kwargs.get("mask") is not None))
         return real(query, key, value, scale, window, **kwargs)
 
     monkeypatch.setattr(attention_module, "attention", spy)
@@ -569,15 +694,22 @@ def test_model_with_g4ops_attention_matches_stock(shape, kernel_calls):
     _assert_same_model_outputs(stock, ones)
 
 
-def test_padding_mask_falls_back_to_stock_and_matches(kernel_calls):
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_mask_runs_full_layers_on_the_kernel_and_matches(kernel_calls, side):
+    # stock's head_dim-512 full layers take SDPA's slow mem-efficient kernel with a mask: with padding those run
+    # g4ops.attention with stock's mask; left-pad query rows see no key and give 0, as the stock path does
     model = build_model("tiny-e4b").train()
     ids = _tokens(model.config.vocab_size)
     mask = torch.ones_like(ids)
-    mask[0, :5] = 0  # left padding
+    mask[0, :5] = 0 if side == "left" else 1
+    mask[1, -4:] = 1 if side == "left" else 0
     stock = _loss_and_grads(model, ids, mask)
     with g4ops.enable(model, attention=True):
         ours = _loss_and_grads(model, ids, mask)
-    assert not kernel_calls
+    full_layers = model.config.layer_types.count("full_attention")
+    # forward + backward + the logits forward, each full layer once; a KV-shared layer still runs its attention
+    assert kernel_calls and all(c[2] is None and c[3] for c in kernel_calls), kernel_calls
+    assert len(kernel_calls) == 2 * full_layers, (len(kernel_calls), full_layers)
     _assert_same_model_outputs(stock, ours)
 
 

@@ -192,6 +192,21 @@ def _on(batch: dict, device: str) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+@pytest.fixture
+def kernel_masks(monkeypatch):
+    """For every g4ops.attention call, whether it got a mask (the integration imports it at call time)."""
+    from g4ops import attention as attention_module
+
+    calls, real = [], attention_module.attention
+
+    def spy(*args, mask=None, **kwargs):
+        calls.append(mask is not None)
+        return real(*args, mask=mask, **kwargs)
+
+    monkeypatch.setattr(attention_module, "attention", spy)
+    return calls
+
+
 def _g4ops_model(dtype, device):
     model = _model(dtype, device)
     g4ops.enable(model, attention=True)
@@ -205,11 +220,13 @@ CASES = [(layout, use_cache) for layout in BATCHES for use_cache in ((False, Tru
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout, use_cache", CASES, ids=[f"{l}-cache={c}" for l, c in CASES])
-def test_batch_in_fp64_equals_each_sequence_alone(device, layout, use_cache):
+def test_batch_in_fp64_equals_each_sequence_alone(device, layout, use_cache, kernel_masks):
     seqs, oracle = _oracle(device)
     batch, places = BATCHES[layout]([s.cpu() for s in seqs])
     model = _g4ops_model(F64, device)
     errs = _errors(_run(model, _on(batch, device), _items(seqs), use_cache=use_cache), oracle, places)
+    # the fast path is taken: every full layer of both forwards ran g4ops.attention with the batch's mask
+    assert kernel_masks.count(True) == 2 * model.config.layer_types.count("full_attention"), kernel_masks
     bound = O.tolerance(torch.float32, k=model.config.vocab_size) if layout in SHIFTED_POSITIONS else EXACT
     worst = max(errs, key=errs.get)
     assert errs[worst] <= bound, f"{worst}: {errs[worst]:.3e} > {bound:.1e}"
