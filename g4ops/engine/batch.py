@@ -188,6 +188,7 @@ class _DecodeCall(_CacheCall):
     def __init__(self, cache: SlotKVCache, b: int, position: torch.Tensor, active: torch.Tensor):
         self.cache, self.b = cache, b
         self.position, self.active = position, active  # [b] int64, [b] bool
+        self.rows = torch.arange(b, device=position.device)
         self.slot = {
             True: torch.where(active, position, cache.max_context),
             False: torch.where(active, torch.remainder(position, cache.window), cache.window),
@@ -196,12 +197,13 @@ class _DecodeCall(_CacheCall):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         c = self.cache
         c.check(layer_idx, key_states)
-        keys, values = c.keys[layer_idx][: self.b], c.values[layer_idx][: self.b]
-        _, h, _, d = key_states.shape
-        index = self.slot[c.full[layer_idx]].view(self.b, 1, 1, 1).expand(self.b, h, 1, d)
-        keys.scatter_(2, index, key_states)
-        values.scatter_(2, index, value_states)
-        return keys, values
+        keys, values = c.keys[layer_idx], c.values[layer_idx]
+        slot = self.slot[c.full[layer_idx]]
+        # an index_put_ on the whole buffer, which Inductor writes in place: a scatter_ into its [:b] view compiled
+        # to a copy of every slot of those b rows, per layer (3.0 of the 11.2 ms step at b = 64 on the H200)
+        keys[self.rows, :, slot] = key_states[:, :, 0]
+        values[self.rows, :, slot] = value_states[:, :, 0]
+        return keys[: self.b], values[: self.b]
 
     def masks(self) -> dict[str, torch.Tensor]:
         """{layer type: bool [b, 1, 1, slots + 1]}: a decoding row sees its positions <= p; the others scratch only."""
