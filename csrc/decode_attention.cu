@@ -29,6 +29,9 @@
 #include <torch/library.h>
 
 #include <limits>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 namespace g4ops {
 namespace {
@@ -39,10 +42,13 @@ constexpr int kKeyStep = 4;                    // keys a warp loads at once
 constexpr int kMinChunk = kWarps * kKeyStep;   // chunks are multiples of this: every warp gets whole key steps
 constexpr int kMaxChunk = 256;                 // bounds the score buffer; longer caches get more splits
 constexpr int kMaxHeadsPerBlock = 8;
-// Split target: blocks per SM, enough to keep every SM's loads in flight. H200, bf16, E4B shapes in CUDA graphs
-// (2026-11-30): 4 gave 30 / 40 us at batch 4 / 8 on full layers against 34 / 46 us for 2 and 40 / 49 us for 8;
-// equal at batch 1 and 2 and on sliding layers.
-constexpr int kBlocksPerSm = 4;
+// Split target: one full wave, as many blocks as the device holds at once (the occupancy of the instantiation at
+// hand; the bf16 GB=4 kernel uses 116 registers, so 4 blocks of 128 threads per SM), and never more unless the
+// chunk bound forces it: a second, partly filled wave costs a whole block's latency again. H200, bf16, E4B shapes
+// in CUDA graphs (2026-11-30): at batch 4 / 8 full layers took 30 / 40 us at 4 blocks per SM against 34 / 46 us
+// at 2 and 40 / 49 us at 8 (two waves). The split count was once rounded up, which put batch 16 and 64 (B * Hkv =
+// 32 and 128 rows of blocks) into a second wave of 16 and 112 blocks: the attention took 3.2 of the 11.2 ms batch-64
+// step of 42 layers (2026-12-03).
 constexpr int kCombineThreads = 128;
 
 template <typename A>
@@ -341,30 +347,41 @@ void check_decode_attention_inputs(const at::Tensor& q, const at::Tensor& k, con
 // ---------------------------------------------------------------------------------------------------------------
 // Launchers.
 
-template <typename T, int GB, int VEC>
-void launch_split(dim3 grid, size_t smem, cudaStream_t stream, const at::Tensor& q, const at::Tensor& k,
-                  const at::Tensor& v, const at::Tensor& mask, typename AccType<T>::type* part_acc,
-                  typename AccType<T>::type* part_ml, const DecodeParams& p, double scale) {
-  using A = typename AccType<T>::type;
-  auto kernel = decode_attention_split_kernel<T, GB, VEC>;
-  if (smem > 48 * 1024)  // beyond the default limit (only for head dims of thousands)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<grid, kThreads, smem, stream>>>(
-      reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
-      reinterpret_cast<const T*>(v.data_ptr()), mask.data_ptr<bool>(), part_acc, part_ml, p, A(scale));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
+template <typename T>
+using SplitKernel = void (*)(const T*, const T*, const T*, const bool*, typename AccType<T>::type*,
+                             typename AccType<T>::type*, const DecodeParams, const typename AccType<T>::type);
 
 template <typename T, int GB>
-void launch_split_vec(int vec, dim3 grid, size_t smem, cudaStream_t stream, const at::Tensor& q,
-                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                      typename AccType<T>::type* part_acc, typename AccType<T>::type* part_ml,
-                      const DecodeParams& p, double scale) {
-  if (vec == 1) {
-    launch_split<T, GB, 1>(grid, smem, stream, q, k, v, mask, part_acc, part_ml, p, scale);
-  } else {
-    launch_split<T, GB, 16 / sizeof(T)>(grid, smem, stream, q, k, v, mask, part_acc, part_ml, p, scale);
+SplitKernel<T> split_kernel_vec(int vec) {
+  return vec == 1 ? decode_attention_split_kernel<T, GB, 1> : decode_attention_split_kernel<T, GB, 16 / sizeof(T)>;
+}
+
+template <typename T>
+SplitKernel<T> split_kernel(int GB, int vec) {
+  switch (GB) {
+    case 1: return split_kernel_vec<T, 1>(vec);
+    case 2: return split_kernel_vec<T, 2>(vec);
+    case 4: return split_kernel_vec<T, 4>(vec);
+    default: return split_kernel_vec<T, kMaxHeadsPerBlock>(vec);
   }
+}
+
+// Blocks of `kernel` an SM holds at once with `smem` bytes of dynamic shared memory each (at least 1). Asked of the
+// runtime once per kernel, size and device, so a call inside a CUDA-graph capture (after its eager warm-up) makes
+// no runtime query.
+template <typename T>
+int resident_blocks_per_sm(SplitKernel<T> kernel, size_t smem) {
+  static std::mutex lock;
+  static std::map<std::tuple<const void*, size_t, int>, int> known;
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), smem, int(c10::cuda::current_device()));
+  const std::lock_guard<std::mutex> guard(lock);
+  const auto hit = known.find(key);
+  if (hit != known.end()) return hit->second;
+  if (smem > 48 * 1024)  // beyond the default limit (only for head dims of thousands); set once per device
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, smem));
+  return known[key] = std::max(blocks, 1);
 }
 
 // Returns false (nothing launched) for shapes beyond the kernels' shared memory or grid limits.
@@ -387,14 +404,20 @@ bool decode_attention_kernels(const at::Tensor& q, const at::Tensor& k, const at
   const int vec = vec_ok ? V : 1;
   const int key_groups = static_cast<int>(std::max<int64_t>(1, kThreads / (D / vec)));
 
-  // Chunk: the keys that give about kBlocksPerSm blocks per SM, at least kMinChunk, at most kMaxChunk.
-  const int64_t want_splits = (int64_t(kBlocksPerSm) * num_sms() + B * Hkv * groups - 1) / (B * Hkv * groups);
+  // Chunk: the keys that fill one wave of blocks (see kMaxHeadsPerBlock's note), at least kMinChunk, at most
+  // kMaxChunk. Rounding the chunk up to whole key steps only lowers the split count, so the wave is never exceeded
+  // unless kMaxChunk forces it. The occupancy is taken at the largest chunk's shared memory (a lower bound).
+  const SplitKernel<T> kernel = split_kernel<T>(GB, vec);
+  const size_t max_smem = split_smem_bytes<A>(GB, static_cast<int>(D), key_groups, kMaxChunk);
+  if (max_smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
+  const int64_t wave = int64_t(resident_blocks_per_sm<T>(kernel, max_smem)) * num_sms();
+  const int64_t want_splits = std::max<int64_t>(1, wave / (B * Hkv * groups));
   int64_t chunk = (S + want_splits - 1) / want_splits;
   chunk = std::min<int64_t>(kMaxChunk, std::max<int64_t>(kMinChunk, (chunk + kMinChunk - 1) / kMinChunk * kMinChunk));
   const int64_t splits = (S + chunk - 1) / chunk;
   const size_t smem = split_smem_bytes<A>(GB, static_cast<int>(D), key_groups, static_cast<int>(chunk));
   const size_t combine_smem = (size_t(splits) + 32) * sizeof(A);
-  if (smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin || combine_smem > 48 * 1024) return false;
+  if (combine_smem > 48 * 1024) return false;
 
   DecodeParams p;
   p.q_sb = q.stride(0), p.q_sh = q.stride(1), p.q_sd = q.stride(3);
@@ -410,13 +433,10 @@ bool decode_attention_kernels(const at::Tensor& q, const at::Tensor& k, const at
   A* part_ml = part_acc + acc_numel;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(B * Hkv), static_cast<unsigned>(groups));
-  switch (GB) {
-    case 1: launch_split_vec<T, 1>(vec, grid, smem, stream, q, k, v, mask, part_acc, part_ml, p, scale); break;
-    case 2: launch_split_vec<T, 2>(vec, grid, smem, stream, q, k, v, mask, part_acc, part_ml, p, scale); break;
-    case 4: launch_split_vec<T, 4>(vec, grid, smem, stream, q, k, v, mask, part_acc, part_ml, p, scale); break;
-    default: launch_split_vec<T, kMaxHeadsPerBlock>(vec, grid, smem, stream, q, k, v, mask, part_acc, part_ml, p,
-                                                     scale);
-  }
+  kernel<<<grid, kThreads, smem, stream>>>(
+      reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
+      reinterpret_cast<const T*>(v.data_ptr()), mask.data_ptr<bool>(), part_acc, part_ml, p, A(scale));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int threads = static_cast<int>(std::min<int64_t>(kCombineThreads, (D + 31) / 32 * 32));
   const dim3 combine_grid(static_cast<unsigned>(B * Hq), static_cast<unsigned>((D + threads - 1) / threads));
   decode_attention_combine_kernel<T><<<combine_grid, threads, combine_smem, stream>>>(
