@@ -2,6 +2,7 @@
 
     python bench/engine.py --out $OUT/engine.json                       # E4B-shaped, 42 layers, CUDA
     python bench/engine.py --layers 2 --buckets 1,4 --concurrency 2 --prompt-tokens 16 --output-tokens 8   # quick
+    python bench/engine.py --smoke --out /tmp/engine.json    # tiny-e4b on CPU, the load only: the script runs (CI)
 
 On the serve benchmark's shape (bench/serve.py: `--prompt-tokens` random-token prompts, `--output-tokens` greedy new
 tokens each, no stop tokens, `--rounds` requests per concurrent client), in one process:
@@ -191,26 +192,36 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300.0, help="load: seconds per level")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny-e4b in fp32 on CPU, uncompiled, small load, no step timing (CUDA graphs)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/engine.py times CUDA graphs: it needs a GPU", file=sys.stderr)
+    if args.smoke:
+        args.max_batch, args.concurrency, args.prompt_tokens, args.output_tokens = 4, "1,4", 12, 6
+        args.no_compile, buckets = True, []
+    elif not torch.cuda.is_available():
+        print("bench/engine.py times CUDA graphs: it needs a GPU (--smoke runs the load on CPU)", file=sys.stderr)
         return 1
+    else:
+        buckets = [int(b) for b in args.buckets.split(",") if b]
     max_context = max(args.prompt_tokens + args.output_tokens, args.position + args.replays + 2)
-    model = build_model("e4b", num_layers=args.layers, dtype=torch.bfloat16, device="cuda", seed=args.seed)
+    if args.smoke:
+        model = build_model("tiny-e4b", seed=args.seed)
+    else:
+        model = build_model("e4b", num_layers=args.layers, dtype=torch.bfloat16, device="cuda", seed=args.seed)
     engine = BatchEngine(model, max_batch=args.max_batch, max_context=max_context, max_waiting=4096,
                          prefill_chunk=args.prefill_chunk, compile=not args.no_compile)  # fmt: skip
     t0 = time.perf_counter()
     engine.warmup()
     warmup_s = time.perf_counter() - t0
     print(f"warmup (compile, capture every bucket and prefill shape): {warmup_s:.1f} s", flush=True)
-    buckets = [int(b) for b in args.buckets.split(",") if b]
     result = dict(config=vars(args), max_context=max_context, warmup_s=warmup_s,
                   environment=dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                   device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                   device=torch.cuda.get_device_name() if buckets else "cpu", torch=torch.__version__,
                                    python=platform.python_version()))  # fmt: skip
-    with torch.no_grad():
-        result["step"] = time_steps(engine, buckets, args.position, args.replays, args.profile, args.top)
+    if buckets:
+        with torch.no_grad():
+            result["step"] = time_steps(engine, buckets, args.position, args.replays, args.profile, args.top)
     engine.start()
     levels = []
     try:
@@ -225,7 +236,7 @@ def main(argv=None) -> int:
     finally:
         engine.shutdown(30)
     result["load"] = levels
-    for b, row in result["step"]["buckets"].items():
+    for b, row in result.get("step", {}).get("buckets", {}).items():
         for name, count, us in row.get("kernels", []):
             print(f"  b{b} {us:9.1f} us x{count:5.1f}  {name}")
     if args.out:

@@ -272,3 +272,12 @@ def test_sampler_smoke(tmp_path):
         assert {k for k in r if k.endswith("_error")} == set(), r
         names = ("greedy", "card", "card-vocabulary", "card-compiled", "top-k-only", "op:sort")
         assert all(r[f"{name}_us"] > 0 for name in names)
+
+
+def test_engine_bench_smoke(tmp_path):
+    """bench/engine.py --smoke: the in-process load on the tiny model; every request got all its tokens."""
+    out = tmp_path / "engine.json"
+    _run(["bench/engine.py", "--smoke", "--out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+    assert [row["concurrency"] for row in result["load"]] == [1, 4]
+    assert all(row["output_tok_s"] > 0 and row["requests"] == 2 * row["concurrency"] for row in result["load"])
