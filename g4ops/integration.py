@@ -702,8 +702,10 @@ def g4ops_attention_forward(
     # g4ops.attention with the mask, where stock's head_dim-512 SDPA is its slow mem-efficient kernel. Only for
     # causal-only masks: transformers' full-layer masks narrow the causal pattern unless a config asks for
     # bidirectional (vision) blocks, which g4ops.attention would not compute (it sees no key past a query).
+    # Mixed dtypes (autocast: bf16 value beside fp32 query) stay on stock SDPA, which autocast casts.
     full_masked = (plain and causal and sliding_window is None and q_len == kv_len
-                   and getattr(module.config, "use_bidirectional_attention", None) is None)  # fmt: skip
+                   and query.dtype == key.dtype == value.dtype
+                   and getattr(getattr(module, "config", None), "use_bidirectional_attention", None) is None)  # fmt: skip
 
     def masked(mask, every_row_sees_a_key: bool = False):
         if (full_masked and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
