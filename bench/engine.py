@@ -37,13 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from g4ops.engine.batch import BatchEngine, SamplingParams  # noqa: E402
 from g4ops.models import build_model  # noqa: E402
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+from serve import percentile  # noqa: E402  (bench/serve.py: the serve benchmark's nearest-rank percentile)
 
 
 def copy_bandwidth() -> float:
@@ -70,9 +64,7 @@ def step_bytes(engine: BatchEngine, b: int, position: int) -> int:
     for name, param in model.named_parameters():
         if "embed_tokens_per_layer" in name:
             total += b * param.shape[1] * param.element_size()
-        elif "embed_tokens" in name:
-            total += param.numel() * param.element_size()  # read as the lm_head (tied)
-        else:
+        else:  # embed_tokens counts once: it is read whole as the tied lm_head
             total += param.numel() * param.element_size()
     kv_shared = getattr(config, "num_kv_shared_layers", 0)
     owners = config.num_hidden_layers - kv_shared
