@@ -113,43 +113,43 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 def _check_adapters(op, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask):
     ops._check_geglu(x, w_gate, w_up, w_down)
-    torch._check(
+    ops._check(
         len(counts) == 3 and all(c >= 0 for c in counts),
         lambda: f"g4ops.{op}: `counts` must be 3 adapter counts >= 0 (gate, up, down), got {list(counts)}",
     )
     n = sum(counts)
     for name, seq in (("lora_a", lora_a), ("lora_b", lora_b), ("scaling", scaling), ("dropout", dropout)):
-        torch._check(
+        ops._check(
             len(seq) == n, lambda: f"g4ops.{op}: `{name}` has {len(seq)} entries but `counts` sums to {n}"
         )
     hidden, inter = x.shape[-1], w_gate.shape[0]
     dims = [(hidden, inter)] * (counts[0] + counts[1]) + [(inter, hidden)] * counts[2]
     for i, (a, b, (fan_in, fan_out)) in enumerate(zip(lora_a, lora_b, dims)):
         ops._check_floating(f"lora_a[{i}]", a)
-        torch._check(
+        ops._check(
             a.dim() == 2 and a.shape[1] == fan_in,
             lambda: f"g4ops.{op}: `lora_a[{i}]` must be [r, {fan_in}], got {list(a.shape)}",
         )
-        torch._check(
+        ops._check(
             b.dim() == 2 and b.shape[0] == fan_out and b.shape[1] == a.shape[0],
             lambda: f"g4ops.{op}: `lora_b[{i}]` must be [{fan_out}, {a.shape[0]}] ([out, r] of `lora_a[{i}]`), "
             f"got {list(b.shape)}",
         )
-        torch._check_type(
+        ops._check_type(
             b.dtype == a.dtype, lambda: f"g4ops.{op}: `lora_b[{i}]` is {b.dtype} but `lora_a[{i}]` is {a.dtype}"
         )
         ops._check_same_device(op, x=x, **{f"lora_a[{i}]": a, f"lora_b[{i}]": b})
     dropped = [i for i, p in enumerate(dropout) if p != 0.0]
-    torch._check(
+    ops._check(
         all(0.0 <= p < 1.0 for p in dropout), lambda: f"g4ops.{op}: `dropout` must be in [0, 1), got {list(dropout)}"
     )
-    torch._check(
+    ops._check(
         len(dropout_mask) == len(dropped),
         lambda: f"g4ops.{op}: `dropout_mask` has {len(dropout_mask)} masks but `dropout` has {len(dropped)} "
         "adapters with p > 0",
     )
     for j, (i, mask) in enumerate(zip(dropped, dropout_mask)):
-        torch._check_type(
+        ops._check_type(
             mask.dtype == torch.bool, lambda: f"g4ops.{op}: `dropout_mask[{j}]` must be bool, got {mask.dtype}"
         )
         ops._check_shape(op, f"dropout_mask[{j}]", mask, (*x.shape[:-1], dims[i][0]), f"adapter {i}'s input")
@@ -165,7 +165,7 @@ def _check_backward(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b,
         ops._check_floating(name, t)
         ops._check_shape(op, name, t, shape, "the MLP's" if name == "grad_out" else "x @ w_gate.T")
         ops._check_same_device(op, x=x, **{name: t})
-    torch._check(
+    ops._check(
         len(lora_mid) == len(lora_a) and len(lora_mask) == 2 * len(lora_a),
         lambda: f"g4ops.{op}: `lora_mid` must have one entry per adapter ({len(lora_a)}) and `lora_mask` two, got "
         f"{len(lora_mid)} and {len(lora_mask)}",
