@@ -20,27 +20,27 @@ would otherwise overwrite keys its own first queries still see).
 
 The decode step is one model call over the first `b` rows, `b` the smallest batch bucket (1, 2, 4, ..., max_batch)
 covering every decoding row (a new request takes the lowest free row, so the active rows stay packed): input_ids and
-position_ids [b, 1], per-row bool masks [b, 1, 1, slots] built on the device from the positions, the K/V write a
-per-row scatter, attention `g4ops.decode_attention`, then the softcapped logits in fp32 into the sampler. On CUDA
-each (bucket, sampling mode) is captured once as a CUDA graph (the first time a batch needs it, or all of them in
-`warmup()`); elsewhere, or with `cuda_graph=False`, the same step runs eagerly. Modes: all greedy (argmax only),
-sampling (with the smallest top-k cap of decoder.K_CAPS that bounds every sampling row's top_k, as the Decoder), and
-sampling with some seeded rows (their noise from `seeded_exponential(seed, generated-token index)`, so their tokens
-do not depend on the batch; the other rows draw from torch's generator). `compile=True` compiles the step's model
-call with torch.compile (the sampler stays eager, so every mode shares it): on an H200, one E4B request (42 layers,
-bf16) took 5.96 ms per token end to end instead of 11.6, and `warmup()` of 7 buckets x 2 modes 168 s instead of
-3.5 s. `compile_prefill=True` (off by default, as the Decoder's: its GPU
+position_ids [b, 1], per-row bool masks [b, 1, 1, slots] built on the device from the positions, the K/V write one
+per-row index_put_ into each whole buffer, attention `g4ops.decode_attention`, then the softcapped logits in fp32
+into the sampler. On CUDA each (bucket, sampling mode) is captured once as a CUDA graph (the first time a batch
+needs it, or all of them in `warmup()`); elsewhere, or with `cuda_graph=False`, the same step runs eagerly. Modes:
+all greedy (argmax only), sampling (with the smallest top-k cap of decoder.K_CAPS that bounds every sampling row's
+top_k, as the Decoder), and sampling with some seeded rows (their noise from `seeded_exponential(seed,
+generated-token index)`, so their tokens do not depend on the batch; the other rows draw from torch's generator).
+`compile=True` compiles the step's model call with torch.compile (the sampler stays eager, so every mode shares it):
+on an H200, one E4B request (42 layers, bf16) took 5.96 ms per token end to end instead of 11.6, and `warmup()` of 7
+buckets x 2 modes 168 s instead of 3.5 s. `compile_prefill=True` (off by default, as the Decoder's: its GPU
 first-call time is not measured yet) compiles the prefill call's model call too, with dynamic shapes
 (decoder.compiled_prefill): two graphs for every chunk length and cached length, one for calls of one row and one
-for several (size 1 is specialised; a 1-token chunk is padded to 2), both compiled by `warmup()`; a
-compiler failure leaves the prefill eager with one warning. `pad_prefill` (default: on CUDA, unless the prefill
-is compiled): a prefill call of whole prompts (each from its first token, in one chunk) is padded to the smallest
-batch bucket of rows and the decoder.prefill_width of its longest prompt, and on CUDA replayed from a CUDA graph per
-(rows, width) (decoder.PrefillGraphs; captured by `warmup()`, else at a shape's first use): the Decoder's 512-token
-prefill went from 45.2 to 19.7 ms that way on the H200 (until session 15 only a lone prompt was padded; calls of
-several prompts, up to 4 x 512 tokens in the server's 2048-token chunk at concurrency 64, ran eagerly). The host reads
-each step's tokens back (each token is an event) while the device runs the next step: a row whose token ends it
-decodes one step in vain, in its own slots, and that token is dropped.
+for several (size 1 is specialised; a 1-token chunk is padded to 2), both compiled by `warmup()`; a compiler failure
+leaves the prefill eager with one warning. `pad_prefill` (default: on CUDA, unless the prefill is compiled): a
+prefill call of whole prompts (each from its first token, in one chunk) is padded to the smallest batch bucket of
+rows and the decoder.prefill_width of its longest prompt, and on CUDA replayed from a CUDA graph per (rows, width)
+(decoder.PrefillGraphs; captured by `warmup()`, else at a shape's first use): the Decoder's 512-token prefill went
+from 45.2 to 19.7 ms that way on the H200 (until session 15 only a lone prompt was padded; calls of several prompts,
+up to 4 x 512 tokens in the server's 2048-token chunk at concurrency 64, ran eagerly). The host reads each step's
+tokens back (each token is an event) while the device runs the next step: a row whose token ends it decodes one step
+in vain, in its own slots, and that token is dropped.
 
 Exactness: in fp32 a greedy request's tokens are its solo run's and stock `generate(do_sample=False)`'s, up to the
 order attention sums over the keys (engine/decoder.py's note), and up to the batched matmuls' rounding for other rows in
