@@ -28,7 +28,7 @@ not change.
 
 Floor: a step reads param, grad, exp_avg and exp_avg_sq and writes param, exp_avg and exp_avg_sq: 7 x element size
 bytes per parameter (14 for bf16, 104 GB per E4B step). GB/s = those bytes / median time; the ceiling is the
-device-to-device copy bandwidth measured in the same run (bench/kernels.py measure_ceilings, CUDA only), and the
+device-to-device copy bandwidth measured in the same run (bench/kernel_bench.py measure_ceilings, CUDA only), and the
 floor time is bytes / ceiling.
 
     python bench/adamw.py --json $OUT/adamw.json        # H200: 23 s once csrc/ is built
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import g4ops.optim
 from g4ops import models
-from kernels import measure_ceilings  # bench/kernels.py: this script's own directory is on sys.path
+from kernel_bench import measure_ceilings  # bench/kernel_bench.py: this script's own directory is on sys.path
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HYPER = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import g4ops
-from kernels import time_graph  # bench/kernels.py: this script's own directory is on sys.path
+from kernel_bench import time_graph  # bench/kernel_bench.py: this script's own directory is on sys.path
 
 HQ, HKV = 8, 2
 
@@ -75,7 +75,7 @@ def rel_err(out, ref):
 
 def time_per_call_us(fn, inputs, calls, repeats, device):
     """Microseconds per call, each call on the next of the rotating inputs: in one CUDA graph of `calls` calls on
-    CUDA (bench/kernels.py's time_graph), a plain loop elsewhere."""
+    CUDA (bench/kernel_bench.py's time_graph), a plain loop elsewhere."""
     rotation = itertools.cycle(inputs)
 
     def call():

@@ -69,7 +69,7 @@ stage() {
 has test && stage tests "$TEST_TIMEOUT" $PY -m pytest -m cuda -rf -p no:cacheprovider ${PYTEST_ARGS:--n 12 -v --tb=short} \
   ${PYTEST_K:+-k "$PYTEST_K"} ${TEST_PATHS:-tests/}
 # shellcheck disable=SC2086
-has bench && stage bench "$BENCH_TIMEOUT" $PY bench/kernels.py --json "$OUT/kernels.json" ${BENCH_ARGS:-}
+has bench && stage bench "$BENCH_TIMEOUT" $PY bench/kernel_bench.py --json "$OUT/kernels.json" ${BENCH_ARGS:-}
 # shellcheck disable=SC2086
 has e2e && stage e2e "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-}
 # shellcheck disable=SC2086

@@ -102,7 +102,7 @@ def per_call(model, ids):
     for name, norm, x, g in O.record_norm_calls(model, ids):
         if g is None:  # its output needed no gradient after all
             continue
-        weight = integration._norm_weight(norm)
+        weight, eps = integration._norm_weight(norm), integration.norm_eps(norm)
 
         def run(fn):
             xin = x.detach().requires_grad_(True)
@@ -110,9 +110,9 @@ def per_call(model, ids):
             (dx,) = torch.autograd.grad(y, xin, g)
             return y.detach(), dx
 
-        y64, dx64 = O.rms_norm(x, weight, norm.eps), O.rms_norm_grads(g, x, weight, norm.eps)[0]
+        y64, dx64 = O.rms_norm(x, weight, eps), O.rms_norm_grads(g, x, weight, eps)[0]
         ys, dxs = run(norm)
-        yg, dxg = run(lambda t: g4ops.rms_norm(t, weight, norm.eps))
+        yg, dxg = run(lambda t: g4ops.rms_norm(t, weight, eps))
         e = [O.rel_err(v, r) for v, r in ((yg, y64), (ys, y64), (dxg, dx64), (dxs, dx64))]
         rows.append((e[2] / max(e[3], 1e-30), e, name, tuple(x.shape), x.stride(), g.stride()))
     rows.sort(key=lambda r: r[0], reverse=True)

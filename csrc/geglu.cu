@@ -511,7 +511,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> geglu_mlp_backward_cu
   return {grad_x, grad_wg, grad_wu, grad_wd};
 }
 
-// g4ops_kernels::gelu_tanh_mul: the fused GeGLU product alone, for the kernel benchmark (bench/kernels.py) and
+// g4ops_kernels::gelu_tanh_mul: the fused GeGLU product alone, for the kernel benchmark (bench/kernel_bench.py) and
 // tests. Internal: CUDA only, no autograd, not part of the public op set.
 at::Tensor gelu_tanh_mul_cuda(const at::Tensor& gate, const at::Tensor& up) {
   G4OPS_CHECK(gate.sizes() == up.sizes(), "g4ops_kernels.gelu_tanh_mul: `up` must have the shape of `gate` ",

@@ -90,7 +90,7 @@ def _make_norm_forward(stock_forward):
         weight = _norm_weight(self)
         if not _is_plain_tensor(hidden_states) or (weight is not None and not _is_plain_tensor(weight)):
             return stock_forward(self, hidden_states)
-        return ops.rms_norm(hidden_states, weight, self.eps)
+        return ops.rms_norm(hidden_states, weight, norm_eps(self))
 
     setattr(forward, _MARK, stock_forward)
     return forward
@@ -166,6 +166,12 @@ def _norm_weight(norm):
     return getattr(norm, "weight", None) if getattr(norm, "with_scale", True) else None
 
 
+def norm_eps(norm) -> float:
+    """A Gemma4RMSNorm's epsilon: `eps` through transformers 5.24, `variance_epsilon` from 5.25."""
+    eps = getattr(norm, "eps", None)
+    return norm.variance_epsilon if eps is None else eps
+
+
 def _make_decoder_layer_forward(stock_forward):
     """Stock Gemma4TextDecoderLayer.forward with its middle (post_attention_layernorm, the residual add,
     pre_feedforward_layernorm) as one `g4ops.sandwich_norm`. Everything else is stock's code, in stock's order."""
@@ -175,7 +181,7 @@ def _make_decoder_layer_forward(stock_forward):
     def forward(self, *args, **kwargs):
         post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
         if (params is None or getattr(self, "enable_moe_block", False) or len(args) > len(params[0])
-                or not (_runs_gemma_norm(post, hf) and _runs_gemma_norm(pre, hf)) or post.eps != pre.eps):  # fmt: skip
+                or not (_runs_gemma_norm(post, hf) and _runs_gemma_norm(pre, hf)) or norm_eps(post) != norm_eps(pre)):  # fmt: skip
             return stock_forward(self, *args, **kwargs)
         names, defaults = params
         call = dict(defaults)
@@ -190,7 +196,7 @@ def _make_decoder_layer_forward(stock_forward):
         hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **call)
         if hidden_states.dtype == residual.dtype:
             residual, hidden_states = ops.sandwich_norm(hidden_states, residual, _norm_weight(post),
-                                                        _norm_weight(pre), post.eps)  # fmt: skip
+                                                        _norm_weight(pre), norm_eps(post))  # fmt: skip
         else:  # autocast: a bf16 attention output beside the fp32 residual; stock's three steps, its promotion
             residual = residual + post(hidden_states)
             hidden_states = pre(residual)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from g4ops.integration import norm_eps
+
 F64 = torch.float64
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -71,7 +73,7 @@ def fp64_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _fp64_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    y = x * (x.square().mean(-1, keepdim=True) + norm.eps).rsqrt()
+    y = x * (x.square().mean(-1, keepdim=True) + norm_eps(norm)).rsqrt()
     return y * norm.weight if norm.with_scale else y  # differentiable in the weight, unlike rms_norm above
 
 

@@ -182,7 +182,8 @@ def test_norm_variants_towers_and_no_weight():
 def test_probe_refuses_a_transformers_whose_norm_semantics_changed(monkeypatch):
     def offset_forward(self, x):  # Gemma-3 style (1 + w): not what g4ops computes
         xf = x.float()
-        return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5) * (1 + self.weight.float())).type_as(x)
+        return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + integration.norm_eps(self), -0.5)
+                * (1 + self.weight.float())).type_as(x)
 
     monkeypatch.setattr(hf.Gemma4RMSNorm, "forward", offset_forward)
     with pytest.raises(RuntimeError, match="Gemma4RMSNorm no longer computes"):

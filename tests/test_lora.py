@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import g4ops
-from g4ops import lora
+from g4ops import integration, lora
 from g4ops.models import build_model, text_config
 
 try:
@@ -556,9 +556,9 @@ def test_norm_calls_of_the_model_are_no_worse_than_stock(device):
         return y.detach(), torch.autograd.grad(y, x, g)[0]
 
     for _, module, x, g in calls:
-        weight = module.weight if module.with_scale else None
-        exact = O.rms_norm(x, weight, module.eps), O.rms_norm_grads(g, x, weight, module.eps)[0]
-        ours = y_and_dx(lambda t: g4ops.rms_norm(t, weight, module.eps), x, g)
+        weight, eps = (module.weight if module.with_scale else None), integration.norm_eps(module)
+        exact = O.rms_norm(x, weight, eps), O.rms_norm_grads(g, x, weight, eps)[0]
+        ours = y_and_dx(lambda t: g4ops.rms_norm(t, weight, eps), x, g)
         stock = y_and_dx(module, x, g)
         n = x.shape[-1]
         for what, mine, theirs, ref in zip(("y", "dx"), ours, stock, exact):

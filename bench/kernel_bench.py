@@ -1,7 +1,10 @@
 """Kernel benchmark on E4B shapes: stock eager, stock torch.compile, Liger-Kernel (where importable), g4ops, and the
 ceilings measured in the same run (device-to-device copy bandwidth, bf16 matmul rate).
 
-    python bench/kernels.py [--json PATH] [--quick]
+    python bench/kernel_bench.py [--json PATH] [--quick]
+
+(Not named kernels.py: a script's directory comes first on sys.path, and that name shadows HF's `kernels` package,
+which transformers imports from 5.25.)
 
 Rows (bf16, hidden 2560, intermediate 10240, eps 1e-6):
   RMSNorm fwd 4096 x 2560 and 16384 x 2560; RMSNorm fwd+bwd with weight grad 16384 x 2560;
