@@ -75,9 +75,12 @@ SERVERS = ("g4ops", "transformers")
 
 def request_body(server: str, model: str, prompt: str, max_tokens: int, temperature: float) -> dict:
     """A streaming /v1/completions body that makes `server` generate exactly `max_tokens` tokens."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True}
+    # include_usage: the OpenAI way to ask for a last chunk with the token counts (transformers serve from 5.25 sends
+    # it only when asked)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
     if server == "g4ops":
-        body.update(ignore_eos=True, stream_options={"include_usage": True})
+        body["ignore_eos"] = True
     else:  # transformers serve: no ignore_eos; a request's generation_config replaces the checkpoint's
         body["generation_config"] = json.dumps({"max_new_tokens": max_tokens, "min_new_tokens": max_tokens,
                                                 "do_sample": temperature > 0, "temperature": temperature or 1.0})
