@@ -10,7 +10,7 @@ This is the only module that knows transformers' Gemma-4 class names and quirks 
   so an adapter is never silently bypassed.
   The double-wide MLP of E2B's KV-shared layers is just a wider weight.
 - `Gemma4TextDecoderLayer.forward` -> stock's layer code with its middle (post_attention_layernorm, the residual add,
-  pre_feedforward_layernorm) as one `g4ops.sandwich_norm`. Only for the signature it knows (5.6 to 5.24: the cache
+  pre_feedforward_layernorm) as one `g4ops.sandwich_norm`. Only for the signature it knows (5.6 to 5.25: the cache
   argument is `past_key_values` or `cache`), without MoE, and when both norms compute Gemma4RMSNorm unhooked;
   otherwise the layer runs its stock forward (whose norms still use g4ops.rms_norm).
 - `Gemma4TextScaledWordEmbedding.forward` -> the same lookup and scale through `g4ops.ops.embedding`, whose weight
