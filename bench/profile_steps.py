@@ -7,6 +7,7 @@ the top kernels by total time. Wall >> GPU busy means the host (Python, launches
     python bench/profile_steps.py --layers 12 --parts graph --batches 1,4   # g4ops.engine.decoder.Decoder's step
     python bench/profile_steps.py --layers 42 --parts train --lora 16 --attention --train-modes compiled
                                   # a LoRA finetune step: is it host-bound (wall >> GPU busy)?
+    python bench/profile_steps.py --layers 4 --parts train --lora 16 --attention --layout packed
 
 `graph`: the compiled step of the CUDA-graphed decoder. Its wall time per token is measured on graph replays
 (`generate`, no profiler); the kernel table comes from the same compiled step run without the graph, so it lists
@@ -83,12 +84,11 @@ def graph_decode_case(model, batch: int, new_tokens: int, top: int) -> dict:
     return dict(wall_us=replay_us, gpu_busy_us=busy_us, launches=launches, top=rows)
 
 
-def train_case(model, tokens: int, compiled: bool):
-    ids = torch.randint(3, model.config.vocab_size, (1, tokens), device="cuda")
+def train_case(model, batch: dict, compiled: bool):
     fwd = torch.compile(model) if compiled else model
 
     def step():
-        loss = fwd(ids, labels=ids).loss
+        loss = fwd(**batch).loss
         loss.backward()
         model.zero_grad(set_to_none=True)
 
@@ -108,6 +108,8 @@ def main():
     parser.add_argument("--lora", type=int, default=0, metavar="R",
                         help="train: peft LoRA of rank R on every projection (bench/e2e.py's setup), both variants")
     parser.add_argument("--attention", action="store_true", help="g4ops variant: enable(model, attention=True)")
+    parser.add_argument("--layout", choices=["single", "padded", "packed"], default="single",
+                        help="train: bench/e2e.py's batch layouts (padded, packed: 4 sequences in --tokens)")
     parser.add_argument("--json")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -136,11 +138,15 @@ def main():
                 trained = lora_model(model, args.lora)
             trained.train()
             lora = f" lora r{args.lora}" if args.lora else ""
+            from e2e import train_batch  # bench/ is on sys.path when this script runs
+
+            batch_args = argparse.Namespace(layout=args.layout, model=None, shape="e4b", seed=0, device="cuda")
             for tokens in map(int, args.tokens.split(",")):
+                batch, _ = train_batch(batch_args, tokens)
                 for mode in args.train_modes.split(","):
                     torch._dynamo.reset()
-                    r = _profile(train_case(trained, tokens, mode == "compiled"), steps=2, top=args.top)
-                    results[f"{variant}{lora} train {tokens} {mode}"] = r
+                    r = _profile(train_case(trained, batch, mode == "compiled"), steps=2, top=args.top)
+                    results[f"{variant}{lora} train {tokens} {args.layout} {mode}"] = r
             trained.eval()
             del trained
         del model

@@ -688,3 +688,11 @@ def test_compiled_elementwise_helpers_compile_once_whatever_the_autograd_keys(mo
         for a, b in zip(got, eager):
             torch.testing.assert_close(a, b)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("rows", [1664, 1660, 2047, 4099, 100_003])
+def test_vocab_blocks_stay_aligned_for_any_row_count(rows):
+    # An odd block width leaves cuBLAS only unaligned GEMM kernels (bench/results/2026-12-03-h200-session20.md)
+    vocab = 262144
+    block = loss_mod.vocab_block(rows, vocab, 0)
+    assert block % 128 == 0 and 128 <= block <= vocab
