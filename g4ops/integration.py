@@ -181,7 +181,8 @@ def _make_decoder_layer_forward(stock_forward):
     def forward(self, *args, **kwargs):
         post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
         if (params is None or getattr(self, "enable_moe_block", False) or len(args) > len(params[0])
-                or not (_runs_gemma_norm(post, hf) and _runs_gemma_norm(pre, hf)) or norm_eps(post) != norm_eps(pre)):  # fmt: skip
+                or not (_runs_gemma_norm(post, hf) and _runs_gemma_norm(pre, hf))
+                or norm_eps(post) != norm_eps(pre)):  # fmt: skip
             return stock_forward(self, *args, **kwargs)
         names, defaults = params
         call = dict(defaults)

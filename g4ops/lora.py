@@ -55,7 +55,8 @@ gradient came back all zeros (pytorch issue 180642: the output's gradient routed
 traced forward returned a fresh tensor (2026-12-02: `G4OPS_LORA_TRACE=1 bash .ci/gpu-image-stack
 tests/test_lora_compile.py` passes on CPU). It stays off by default below 2.13, where a compiled model calls the op:
 timed on the H200 under torch 2.11 (2026-12-03, 42 layers, 2048 tokens, r=16), the traced step ran 8119 tok/s after
-a 300 s first step, the op's 12424 (bench/results/2026-12-03-h200-session19.md). `G4OPS_LORA_TRACE=1` turns the traced path on, `=0` off.
+a 300 s first step, the op's 12424 (bench/results/2026-12-03-h200-session19.md). `G4OPS_LORA_TRACE=1` turns the
+traced path on, `=0` off.
 
 Not implemented, so peft's own forward runs and `geglu_mlp` below says why once at INFO on the "g4ops" logger:
 LoRA variants (DoRA, aLoRA, ... anything in peft's `lora_variant`), `lora_bias`, a dropout module other than a
