@@ -1,7 +1,7 @@
 """Where does the time go? torch.profiler over E4B-shaped decode steps and training steps, stock vs g4ops.
 
 Prints, per case: wall time per step, GPU busy time per step (sum of kernel times), kernel launches per step, and
-the top kernels by total time. Wall >> GPU busy means the host (Python, launches, syncs) is the bottleneck.
+the top kernels by total time. Wall (timed without the profiler) >> GPU busy means the host (Python, launches, syncs) is the bottleneck.
 
     python bench/profile_steps.py --layers 12 --parts decode,train --json $OUT/profile.json
     python bench/profile_steps.py --layers 12 --parts graph --batches 1,4   # g4ops.engine.decoder.Decoder's step
@@ -35,18 +35,37 @@ def _kernel_table(prof, steps: int, top: int):
     return busy_us, launches, rows
 
 
-def _profile(fn, steps: int, top: int):
+def _profile(fn, steps: int, top: int, host_top: int = 0):
+    """Wall time per step from unprofiled steps (the CPU-side profiler inflates host-bound steps 2-3x), the kernel
+    table from CUDA-only profiling, and with `host_top` the Python functions with the most own time (cProfile)."""
     fn()  # warm-up (compilation, autotuning, CUDA-graph recording)
     fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - start) * 1e6 / steps
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    wall_us = (time.perf_counter() - start) * 1e6 / steps
     busy_us, launches, rows = _kernel_table(prof, steps, top)
-    return dict(wall_us=wall_us, gpu_busy_us=busy_us, launches=launches, top=rows)
+    result = dict(wall_us=wall_us, gpu_busy_us=busy_us, launches=launches, top=rows)
+    if host_top:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        fn()
+        torch.cuda.synchronize()
+        profiler.disable()
+        stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, _)
+        own = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:host_top]
+        result["host_top"] = [(f"{name} {file.rsplit('/', 2)[-1]}:{line}", calls, own_s * 1e6, cum_s * 1e6)
+                              for (file, line, name), (calls, _, own_s, cum_s, _) in own]  # fmt: skip
+    return result
 
 
 def decode_case(model, batch: int, new_tokens: int):
@@ -110,6 +129,8 @@ def main():
     parser.add_argument("--attention", action="store_true", help="g4ops variant: enable(model, attention=True)")
     parser.add_argument("--layout", choices=["single", "padded", "packed"], default="single",
                         help="train: bench/e2e.py's batch layouts (padded, packed: 4 sequences in --tokens)")
+    parser.add_argument("--host-top", type=int, default=0, metavar="N",
+                        help="train: also the N Python functions with the most own time in one step (cProfile)")
     parser.add_argument("--json")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -145,7 +166,8 @@ def main():
                 batch, _ = train_batch(batch_args, tokens)
                 for mode in args.train_modes.split(","):
                     torch._dynamo.reset()
-                    r = _profile(train_case(trained, batch, mode == "compiled"), steps=2, top=args.top)
+                    r = _profile(train_case(trained, batch, mode == "compiled"), steps=3, top=args.top,
+                                 host_top=args.host_top)
                     results[f"{variant}{lora} train {tokens} {args.layout} {mode}"] = r
             trained.eval()
             del trained
@@ -158,6 +180,8 @@ def main():
               f"{r['launches']:.0f} kernel launches")
         for key, count, us in r["top"]:
             print(f"   {us:9.1f} us  x{count:6.1f}  {key}")
+        for key, calls, own_us, cum_us in r.get("host_top", []):
+            print(f"   host {own_us:9.0f} us own {cum_us:9.0f} us cum  x{calls:5d}  {key}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(layers=args.layers, device=torch.cuda.get_device_name(), torch=torch.__version__,
