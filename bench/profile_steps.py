@@ -1,7 +1,8 @@
 """Where does the time go? torch.profiler over E4B-shaped decode steps and training steps, stock vs g4ops.
 
 Prints, per case: wall time per step, GPU busy time per step (sum of kernel times), kernel launches per step, and
-the top kernels by total time. Wall (timed without the profiler) >> GPU busy means the host (Python, launches, syncs) is the bottleneck.
+the top kernels by total time. Wall (timed without the profiler) >> GPU busy means the host (Python, launches,
+syncs) is the bottleneck.
 
     python bench/profile_steps.py --layers 12 --parts decode,train --json $OUT/profile.json
     python bench/profile_steps.py --layers 12 --parts graph --batches 1,4   # g4ops.engine.decoder.Decoder's step
