@@ -196,24 +196,6 @@ def _dropped(t, drop):
     return t if mask is None else (t * mask.to(t.dtype)) * (1.0 / (1.0 - p))
 
 
-# Up to this rank, a compiled trace computes a product over the rank as a broadcast sum (`_over_rank`);
-# G4OPS_LORA_FUSED_RANK_MAX=0 leaves every such product to F.linear (for A/B timing)
-_FUSED_RANK_MAX = int(os.environ.get("G4OPS_LORA_FUSED_RANK_MAX", "64"))
-
-
-def _over_rank(t, w):
-    """F.linear(t, w) for a contraction over a LoRA rank (t [..., r], w [n, r]). Under torch.compile, with r up
-    to _FUSED_RANK_MAX: (t[..., None, :] * w).sum(-1), which Inductor fuses with its consumer (the add to the base
-    output, the scale, the rounding) into one kernel, where F.linear is a cuBLAS fp32 GEMM (SIMT FFMA for fp32
-    adapters) that writes an fp32 [T, n] tensor for the next kernel to read back (H200, session 21: these GEMMs
-    took about 0.9 ms of a 3.0 ms LoRA layer). Products and sum in fp32 for bf16/fp16 adapters, as a GEMM
-    accumulates. Eager, F.linear: the broadcast would materialise [T, n, r]."""
-    if torch.compiler.is_compiling() and t.shape[-1] <= _FUSED_RANK_MAX:
-        acc = reference.accumulation_dtype(t.dtype)
-        return (t.unsqueeze(-2).to(acc) * w.to(acc)).sum(-1).to(t.dtype)
-    return F.linear(t, w)
-
-
 def _with_adapters(base_out, z, lora_a, lora_b, scaling, drops):
     """peft's `lora.Linear.forward` after the base layer, in its order and dtypes: (y, [A_a(dropout_a(z_a))])."""
     y, mids = base_out, []
@@ -221,7 +203,7 @@ def _with_adapters(base_out, z, lora_a, lora_b, scaling, drops):
         z = z.to(a.dtype)  # peft's _cast_input_dtype, cumulative like its loop
         mid = F.linear(_dropped(z, drop), a)
         mids.append(mid.contiguous())
-        y = y + _over_rank(mid, b) * s
+        y = y + F.linear(mid, b) * s
     return y.to(base_out.dtype).contiguous(), mids
 
 
@@ -255,7 +237,7 @@ def _low_rank_grads(grad_y, lora_a, lora_b, scaling, drops, mids, mask_b, acc):
         u = (g @ b) * s
         us.append(u)
         grad_b.append((_rows(g).t() @ _rows(mid)) * s if want_b else b.new_empty(0))
-        term = _dropped(_over_rank(u, a.t()), drop).to(acc)
+        term = _dropped(u @ a, drop).to(acc)
         grad_z = term if grad_z is None else grad_z + term
     return grad_z, us, grad_b
 
