@@ -157,7 +157,15 @@ def test_rslora_and_set_scale_use_peft_scaling(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("adapter_fp32", [True, False], ids=["fp32-adapters", "bf16-adapters"])
-def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32):
+@pytest.mark.parametrize("split", [True, False], ids=["split-products", "fp32-products"])
+def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monkeypatch):
+    """`split`: fp32 adapters take their products with bf16 tensors through lora._split_mm (on by default on
+    CUDA; on CPU the test turns it on, in fp32 arithmetic), else through fp32 copies as peft does."""
+    devices = {device} if split else set()
+    monkeypatch.setattr(lora, "SPLIT_DEVICES", devices)
+    split_calls = []
+    split_mm = lora._split_mm
+    monkeypatch.setattr(lora, "_split_mm", lambda a, b: split_calls.append(1) or split_mm(a, b))
     # peft's default (autocast_adapter_dtype=True) keeps a bf16 model's adapters in fp32
     model = _mlp_model(device, BF16).train()
     if not adapter_fp32:
@@ -172,12 +180,49 @@ def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32):
     stock = _run(model, x, grad_out, enabled=False)
     ours = _run(model, x, grad_out, enabled=True)
     assert all(ours[3].get(op) == 1 for op in FUSED_TRAIN)
+    # per projection: A(x) in the forward; dY @ B, dB and dA in the backward
+    assert len(split_calls) == (4 * 3 if split and adapter_fp32 else 0), len(split_calls)
     n = TOKENS[0] * TOKENS[1]
     pairs = [("out", ours[0], stock[0], truth[0], INTER), ("grad_x", ours[1], stock[1], truth[1], INTER)]
     pairs += [(name, ours[2][name], stock[2][name], truth[2][name], n) for name in truth[2]]
     for name, g4, st, ref, k in pairs:
         O.assert_no_worse_than_stock(name, O.rel_err(g4, ref), O.rel_err(st, ref),
                                      O.floor(BF16, k, ref.numel()))  # fmt: skip
+
+
+def test_bf16_parts_sum_to_the_fp32_value_exactly():
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randn(4099, generator=gen) * torch.exp2(torch.randint(-60, 60, (4099,), generator=gen).float())
+    hi, mid, lo = lora._bf16_parts(t)
+    assert {hi.dtype, mid.dtype, lo.dtype} == {BF16}
+    assert torch.equal(hi.float() + mid.float() + lo.float(), t)
+    assert (mid != 0).sum() > 4000  # the parts below hi carry bits (not a trivially exact hi alone)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp32_side", ["left", "right"])
+def test_split_mm_is_an_fp32_gemm_against_fp64(device, fp32_side):
+    """_split_mm (bf16 parts, one bf16 GEMM with fp32 accumulation) is within an fp32 GEMM's error of fp64, for
+    odd shapes and a transposed bf16 operand; the bf16 operand holds fresh random values, the fp32 one values
+    that bf16 cannot hold."""
+    gen = torch.Generator().manual_seed(4)
+    m, k, n = 37, 301, 11
+    if fp32_side == "left":
+        a = O.make_tensor((m, k), F32, gen, device=device)
+        b = O.make_tensor((n, k), BF16, gen, device=device).t()  # [k, n], transposed layout
+        fp32_operand = a
+    else:
+        a = O.make_tensor((k, m), BF16, gen, device=device).t()  # [m, k], transposed layout
+        b = O.make_tensor((k, n), F32, gen, device=device)
+        fp32_operand = b
+    assert not torch.equal(fp32_operand, fp32_operand.to(BF16).float())
+    out = lora._split_mm(a, b)
+    assert out.dtype == F32 and out.shape == (a.shape[0], b.shape[1])
+    truth = a.double() @ b.double()
+    fp32_gemm = a.float() @ b.float()
+    # 3x an fp32 GEMM's own error (a reordered fp32 sum); dropping the lo parts would be ~10x (2**-17 per value)
+    assert O.rel_err(out, truth) <= 3 * O.rel_err(fp32_gemm, truth), (
+        O.rel_err(out, truth), O.rel_err(fp32_gemm, truth))
 
 
 # ----------------------------------------------------------------------------------------------------------------
