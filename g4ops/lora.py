@@ -197,8 +197,8 @@ def _dropped(t, drop):
 
 
 # Devices where fp32 adapters of a bf16 model take their products over tokens and features on bf16 tensor cores
-# (`_split_mm`); the tests add "cpu", where the same arithmetic runs in fp32.
-SPLIT_DEVICES = {"cuda"}
+# (`_split_mm`); the tests add "cpu", where the same arithmetic runs in fp32. G4OPS_LORA_SPLIT=0: none (A/B timing).
+SPLIT_DEVICES = set() if os.environ.get("G4OPS_LORA_SPLIT") == "0" else {"cuda"}
 
 
 def _splits(bf16_operand, lora_a) -> bool:
