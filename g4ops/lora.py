@@ -197,8 +197,11 @@ def _dropped(t, drop):
 
 
 # Devices where fp32 adapters of a bf16 model take their products over tokens and features on bf16 tensor cores
-# (`_split_mm`); the tests add "cpu", where the same arithmetic runs in fp32. G4OPS_LORA_SPLIT=0: none (A/B timing).
-SPLIT_DEVICES = set() if os.environ.get("G4OPS_LORA_SPLIT") == "0" else {"cuda"}
+# (`_split_mm`): CUDA with G4OPS_LORA_SPLIT=1, else none. Opt-in because it trades GPU time for host time: on the
+# H200 (torch 2.11, 2026-12-04, E4B shapes, r=16, 2048 tokens) an MLP forward and backward took 2.47 ms of GPU
+# against 3.60 ms, but the 42-layer compiled step, host-bound on the op's per-call cost, fell from 11610 to 10030
+# tok/s (bench/results/2026-12-04-h200-session22.md). The tests add "cpu", where the same arithmetic runs in fp32.
+SPLIT_DEVICES = {"cuda"} if os.environ.get("G4OPS_LORA_SPLIT") == "1" else set()
 
 
 def _splits(bf16_operand, lora_a) -> bool:

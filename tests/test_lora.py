@@ -159,8 +159,8 @@ def test_rslora_and_set_scale_use_peft_scaling(device):
 @pytest.mark.parametrize("adapter_fp32", [True, False], ids=["fp32-adapters", "bf16-adapters"])
 @pytest.mark.parametrize("split", [True, False], ids=["split-products", "fp32-products"])
 def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monkeypatch):
-    """`split`: fp32 adapters take their products with bf16 tensors through lora._split_mm (on by default on
-    CUDA; on CPU the test turns it on, in fp32 arithmetic), else through fp32 copies as peft does."""
+    """`split`: fp32 adapters take their products with bf16 tensors through lora._split_mm (opt-in on CUDA,
+    G4OPS_LORA_SPLIT=1; on CPU the same arithmetic in fp32), else through fp32 copies as peft does."""
     devices = {device} if split else set()
     monkeypatch.setattr(lora, "SPLIT_DEVICES", devices)
     split_calls = []
