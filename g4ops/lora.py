@@ -36,7 +36,8 @@ between them (the low-rank adds and casts, dropout masks, the GeGLU product and 
 makes about a dozen full-size fp32 passes per MLP backward. csrc's GeGLU kernels do not fit: geglu_mlp_backward
 computes dh from the base down weight alone and returns no dgate/dup, which the adapter gradients need, and its
 forward kernel alone (`gelu_tanh_mul`, run in eager mode when the compiled path is off) has no fake kernel to compile
-through.
+through. With G4OPS_LORA_SPLIT=1, fp32 adapters of a bf16 model take their products over tokens and features on bf16
+tensor cores, exactly split (`_split_mm`; opt-in, `SPLIT_DEVICES` says why).
 
 Inside an outer torch.compile (`torch.compiler.is_compiling()` in `lora_geglu_mlp`) there is no opaque op: the
 same two math functions run as a torch.autograd.Function (`_TracedLoraGeglu`, the op's formula without its ops),
