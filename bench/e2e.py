@@ -445,7 +445,10 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
                 if use_g4ops:  # asked outside the compiled step, whose trace does not log
                     mlps = [m for m in model.modules() if type(m).__name__ == "Gemma4TextMLP"]
                     common["lora_mlp_fallback"] = sorted({g4ops.lora.fallback_reason(m) for m in mlps} - {None})
-            state["step_model"] = step_model = torch.compile(model) if variant.endswith("compile") else model
+            compiled = variant.endswith("compile")
+            if compiled and args.compile_mode != "default":
+                common["compile_mode"] = args.compile_mode
+            state["step_model"] = step_model = torch.compile(model, mode=args.compile_mode) if compiled else model
             if any(o != "none" for o in args.optimizers):
                 state["initial"] = [p.detach().to("cpu", copy=True) for p in model.parameters()]
             for optimizer in args.optimizers:
@@ -478,8 +481,12 @@ def measure_optimizer_row(args, model, step_model, optimizer: str, batch: dict, 
                 for p, saved in zip(model.parameters(), state["initial"]):
                     p.copy_(saved)
         state["opt"] = opt = make_optimizer(optimizer, model, args.device)
+        graphed = args.compile_mode == "reduce-overhead" and step_model is not model
+        skips_before = cudagraph_skips()
 
         def step():
+            if graphed:  # a new training iteration: the graphs' outputs of the last one may be overwritten
+                torch.compiler.cudagraph_mark_step_begin()
             loss = step_model(**batch).loss
             loss.backward()
             if opt is not None:
@@ -511,6 +518,8 @@ def measure_optimizer_row(args, model, step_model, optimizer: str, batch: dict, 
             times.append(time.perf_counter() - t)
         median = statistics.median(times)
         row.update(step_s=median, tok_s=real_tokens / median, peak_gib=peak_gib(args.device))
+        if graphed:  # did the step really replay CUDA graphs? Inductor counts each graph it left uncaptured
+            row["cudagraph_skips"] = cudagraph_skips() - skips_before
     except Exception as exc:  # noqa: BLE001 - report and go on with the next optimizer
         row["error"] = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {exc}"
         if not is_oom(exc) and not isinstance(exc, ImportError):
@@ -520,6 +529,13 @@ def measure_optimizer_row(args, model, step_model, optimizer: str, batch: dict, 
         opt = None
         model.zero_grad(set_to_none=True)
         free(args.device)
+
+
+def cudagraph_skips() -> int:
+    """Inductor's count of compiled graphs it did not capture as CUDA graphs (`TORCH_LOGS=perf_hints` says why)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def bench_train(args, results):
@@ -698,9 +714,9 @@ def write_json(args, results):
 
 
 def print_row(row):
-    keys = ("part", "variant", "batch", "seq", "layout", "real_tokens", "lora_r", "optimizer", "tok_s", "peak_gib",
-            "speedup_vs_stock", "first_loss", "loss_matches_stock", "first_step_s", "warmup_s", "first_fast_token",
-            "first_fast_token_since_process_start_s", "error")
+    keys = ("part", "variant", "batch", "seq", "layout", "real_tokens", "lora_r", "compile_mode", "optimizer",
+            "tok_s", "peak_gib", "speedup_vs_stock", "first_loss", "loss_matches_stock", "first_step_s",
+            "cudagraph_skips", "warmup_s", "first_fast_token", "first_fast_token_since_process_start_s", "error")
     print("  ".join(f"{k}={fmt(row[k])}" for k in keys if k in row), flush=True)
 
 
@@ -767,6 +783,9 @@ def parse_args(argv=None):
                     help="with --g4ops-attention, compiled on CUDA: sliding layers on FlexAttention or stock SDPA")
     ap.add_argument("--lora", type=int, default=0, metavar="R",
                     help="train: peft LoRA of rank R on every projection instead of a full finetune (0: full)")
+    ap.add_argument("--compile-mode", default="default", choices=["default", "reduce-overhead", "max-autotune"],
+                    help="train: torch.compile mode of the *-compile variants; reduce-overhead replays each step "
+                         "from CUDA graphs (rows record cudagraph_skips: graphs Inductor did not capture)")
     ap.add_argument("--optimizers", default="none,adamw,g4ops-adamw",
                     help="train, any of: none (fwd+bwd), adamw (torch.optim.AdamW, fused on CUDA), g4ops-adamw "
                          "(g4ops.optim.AdamW); all on one compiled model per variant")
