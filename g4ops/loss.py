@@ -23,15 +23,25 @@ Semantics (what HF transformers computes for Gemma-4 with `labels`, written out 
 layout [V, H] (the tied embedding), `labels` is an integer tensor of shape hidden.shape[:-1]. The loss is a 0-d
 fp32 tensor (fp64 for fp64 inputs), like HF's `logits.float()` loss.
 
-Algorithm (two passes, both inside the forward op): pass 1 walks chunks of tokens and computes each row's
-logsumexp and the loss; pass 2 (training only) walks blocks of the vocabulary, recomputes that block's logits for
-all tokens and turns them into d loss / d logits = (softmax - onehot) * (1 - tanh^2) * row scale, then
-grad_weight[block] = d.T @ hidden (one GEMM over all tokens, written straight into the result) and
-grad_hidden += d @ weight[block] (one partial per block in the input dtype, summed in an fp32 [N, H]
-accumulator, rounded once at the end). That costs one more logits GEMM than a one-pass scheme
-(Liger's), and buys: no [V, H] accumulator (a one-pass scheme must sum the weight gradient over token chunks, in
-the weight dtype with one rounding per chunk, or in an fp32 buffer of 2.7 GB at E4B's vocabulary), and a weight
-gradient rounded once.
+Algorithm: pass 1 walks chunks of tokens; each chunk's logits come from one GEMM, and a fused helper turns them into
+each row's logsumexp and loss. In training, d loss / d logits = (softmax - onehot) * (1 - tanh^2) * row scale feeds
+the gradients by the first of three cases that applies:
+  (a) no weight gradient wanted (a frozen tied embedding, as in LoRA finetuning), any number of tokens: the helper
+      also returns d for the chunk's logits, and grad_hidden[chunk] = d @ weight is one GEMM written straight into the
+      result (fp32 accumulation inside the GEMM, one rounding: no fp32 [N, H] accumulator).
+  (b) a weight gradient wanted and every row fits one chunk (`fits_one_pass`: at most ONE_PASS_LOGITS logits, or an
+      explicit `chunk_size` covering every row): the same on that one chunk, plus grad_weight = d.T @ hidden (one
+      GEMM written into the result: one rounding).
+  (c) otherwise, pass 2 walks blocks of the vocabulary, recomputes that block's logits for all tokens, builds d, then
+      grad_weight[block] = d.T @ hidden (one GEMM over all tokens, written straight into the result) and
+      grad_hidden += d @ weight[block] (one partial per block in the input dtype, summed in an fp32 [N, H]
+      accumulator, rounded once at the end).
+(a) and (b) issue one logits GEMM fewer than (c) (2 resp. 3 GEMMs of [tokens x vocab x hidden] instead of 3 resp. 4)
+and skip one elementwise pass over the logits: at E4B's shape (vocab 262144, hidden 2560, 2048 tokens) a GEMM is
+2.75 TFLOP, so the expected saving is ~4 ms per step on an H200 (expected, not measured). (c) keeps two passes
+where one pass would need to sum the weight gradient over token chunks, in the weight dtype with one rounding per
+chunk, or in an fp32 [V, H] accumulator (2.7 GB at E4B's vocabulary); (c) needs neither and rounds the weight
+gradient once. (b) and (c) give the same gradients up to the GEMMs' own summation order.
 
 Numerics: each chunk's logits come from one GEMM in the input dtype (fp32 accumulation inside cuBLAS / the CPU
 BLAS, one rounding: exactly stock's `lm_head` output); the softcap, logsumexp, softmax and the softcap derivative
@@ -39,13 +49,17 @@ run in fp32 (fp64 for fp64 inputs) from there. Stock transformers applies the so
 only then upcasts, so this is closer to an fp64 oracle than stock (measured on CPU, bf16, 256 tokens x 4099 words:
 relative error of grad_hidden 0.0048 vs stock's 0.0105, grad_weight 0.0046 vs 0.0106, loss 2e-5 vs 3.9e-5). When
 the backward's grad_output is not exactly 1 (loss scaling, gradient accumulation divided into the loss) the saved
-gradients are multiplied by it: one more rounding in bf16.
+gradients are multiplied by it (in fp32, fp64 for fp64): one more rounding in bf16.
 
-Memory: per chunk / block about CHUNK_LOGITS logits in a few fp32 buffers (2**27: 512 tokens at V = 262144, 0.5 GiB
-per buffer), the per-row logsumexp, an fp32 [N, H] accumulator; between forward and backward only the two gradients
-(in the input dtypes) are kept, as Liger keeps them. No host sync anywhere on CUDA (the mean divides by a device
-tensor; out-of-range labels trip a device-side assert, as F.cross_entropy does; on CPU they raise an error naming
-`labels`). `chunk_size` > 0 fixes the tokens per pass-1 chunk (pass-2 blocks hold as many logits); 0 = automatic.
+Memory: per chunk / block about CHUNK_LOGITS logits (2**27: 512 tokens at V = 262144) in the input dtype for the
+logits and for d, plus, in eager mode (CPU, or a failed compilation), a few fp32 buffers of that size (0.5 GiB each;
+on CUDA Inductor fuses that fp32 math into its kernels). Case (b)'s one chunk holds up to ONE_PASS_LOGITS (2**29)
+logits: 1 GiB each for the bf16 logits and d (eager: 2 GiB per fp32 buffer). Case (a) writes grad_hidden chunk by
+chunk into the result; case (c) adds the per-row logsumexp and an fp32 [N, H] accumulator. Between forward and
+backward only the two gradients (in the input dtypes) are kept, as Liger keeps them. No host sync anywhere on CUDA
+(the mean divides by a device tensor, and the case is chosen from shapes alone; out-of-range labels trip a
+device-side assert, as F.cross_entropy does; on CPU they raise an error naming `labels`). `chunk_size` > 0 fixes the
+tokens per pass-1 chunk (pass-2 blocks hold as many logits; case (b) only when it covers every row); 0 = automatic.
 
 Double backward is not supported (once_differentiable), like Liger's fused loss.
 """
@@ -80,6 +94,10 @@ for _schema in _SCHEMAS.values():
 
 # About 2**27 logits per chunk: 512 tokens at Gemma's 262144-word vocabulary, 0.5 GiB per fp32 [chunk, V] buffer.
 CHUNK_LOGITS = 1 << 27
+# Up to 2**29 logits (2048 tokens at V = 262144) the training forward with a weight gradient takes every row in one
+# chunk and skips pass 2's logits GEMM (case (b) in the module docstring): this bounds the transient bf16 logits and
+# d loss / d logits of that chunk at 1 GiB each.
+ONE_PASS_LOGITS = 1 << 29
 _REDUCTIONS = ("mean", "sum")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
@@ -154,6 +172,15 @@ def chunk_rows(num_rows: int, vocab: int, chunk_size: int) -> int:
     return max(1, min(max(num_rows, 1), CHUNK_LOGITS // max(vocab, 1)))
 
 
+def fits_one_pass(num_rows: int, vocab: int, chunk_size: int) -> bool:
+    """Whether the weight gradient can come from one chunk of every row (case (b)): with an explicit `chunk_size`,
+    when it covers every row (the caller allowed a chunk that big); automatically, when pass 1 is one chunk anyway
+    or every row's logits number at most ONE_PASS_LOGITS."""
+    if chunk_size > 0:
+        return num_rows <= chunk_size
+    return num_rows <= chunk_rows(num_rows, vocab, 0) or num_rows * vocab <= ONE_PASS_LOGITS
+
+
 def vocab_block(num_rows: int, vocab: int, chunk_size: int) -> int:
     """Vocabulary rows per block of the second pass: about as many logits as a first-pass chunk, in whole multiples of
     128 rows. An odd block width is the leading dimension of the block's logits and gradient, and cuBLAS then falls
@@ -168,37 +195,70 @@ def vocab_block(num_rows: int, vocab: int, chunk_size: int) -> int:
 # oracle's fast twin and the benchmark baseline.
 
 
-def _chunk_loss(logits: torch.Tensor, safe: torch.Tensor, valid: torch.Tensor, cap: float):
-    """Pass 1 on one chunk of tokens: (logsumexp per row, loss per row; 0 where ignored), from the chunk's logits as
-    the GEMM returned them (input dtype)."""
+def _capped(logits: torch.Tensor, cap: float):
+    """The logits as the GEMM returned them (input dtype) -> (z in fp32 (fp64 for fp64), tanh(logits / cap) or
+    None without a cap): the shared first step of every helper below."""
     z = logits.to(accumulation_dtype(logits.dtype))
-    if cap:
-        z = torch.tanh(z / cap) * cap
+    if not cap:
+        return z, None
+    t = torch.tanh(z / cap)
+    return t * cap, t
+
+
+def _lse_and_loss(z: torch.Tensor, safe: torch.Tensor, valid: torch.Tensor):
     lse = torch.logsumexp(z, dim=-1)
     picked = z.gather(1, safe.unsqueeze(1)).squeeze(1)
     return lse, torch.where(valid, lse - picked, 0.0)
 
 
-def _block_grad(logits: torch.Tensor, lse: torch.Tensor, label_col: torch.Tensor, row_scale: torch.Tensor, cap: float):
-    """Pass 2 on one vocabulary block: d loss / d logits in the input dtype. `label_col` is the label's column in
-    this block, or -1 (label elsewhere, or ignored); `row_scale` is [n, 1] (0 for ignored rows)."""
-    z = logits.to(accumulation_dtype(logits.dtype))
-    t = None
-    if cap:
-        t = torch.tanh(z / cap)
-        z = t * cap
-    p = torch.exp(z - lse.unsqueeze(1))  # softmax, with the row's logsumexp from pass 1
+def _grad_from(z, t, lse, label_col, row_scale, dtype: torch.dtype) -> torch.Tensor:
+    """d loss / d logits from the capped logits `z` (and `t` = tanh, or None), rounded once to `dtype`."""
+    p = torch.exp(z - lse.unsqueeze(1))  # softmax, with the row's logsumexp
     cols = torch.arange(z.shape[1], device=z.device)
     p = (p - (cols.unsqueeze(0) == label_col.unsqueeze(1)).to(p.dtype)) * row_scale
     if t is not None:
         p = p * (1.0 - t * t)  # d z / d logits = 1 - tanh^2
-    return p.to(logits.dtype)
+    return p.to(dtype)
 
 
-# On CUDA the two elementwise helpers run through torch.compile (dynamic shapes): Inductor fuses each into one or
-# two kernels reading the bf16 logits once, instead of a dozen full-size fp32 passes in eager mode. The op stays
-# opaque to an outer torch.compile (the compiled helpers run inside its kernel). G4OPS_LOSS_COMPILE=0 turns this
-# off, =1 forces it on every device (the CPU tests use that); a failed compilation warns once and runs eagerly.
+def _chunk_loss(logits: torch.Tensor, safe: torch.Tensor, valid: torch.Tensor, cap: float):
+    """Pass 1 on one chunk of tokens: (logsumexp per row, loss per row; 0 where ignored), from the chunk's logits as
+    the GEMM returned them (input dtype)."""
+    return _lse_and_loss(_capped(logits, cap)[0], safe, valid)
+
+
+def _block_grad(logits: torch.Tensor, lse: torch.Tensor, label_col: torch.Tensor, row_scale: torch.Tensor, cap: float):
+    """Pass 2 on one vocabulary block: d loss / d logits in the input dtype. `label_col` is the label's column in
+    this block, or -1 (label elsewhere, or ignored); `row_scale` is [n, 1] (0 for ignored rows)."""
+    z, t = _capped(logits, cap)
+    return _grad_from(z, t, lse, label_col, row_scale, logits.dtype)
+
+
+def _chunk_loss_grad(
+    logits: torch.Tensor, safe: torch.Tensor, valid: torch.Tensor, row_scale: torch.Tensor, cap: float
+):
+    """The one-pass scheme on one chunk of tokens over the whole vocabulary: (logsumexp per row, loss per row,
+    d loss / d logits in the input dtype), pass 1's and pass 2's math on the same logits (one GEMM, not two)."""
+    z, t = _capped(logits, cap)
+    lse, row_loss = _lse_and_loss(z, safe, valid)
+    label_col = torch.where(valid, safe, -1)
+    return lse, row_loss, _grad_from(z, t, lse, label_col, row_scale, logits.dtype)
+
+
+def _scale_grad(g: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """The backward: a saved gradient times grad_output, computed in fp32 (fp64 for fp64) and rounded once to g's
+    dtype. Through `_run_fused` because ATen runs bf16 times a 0-d fp32 CUDA tensor in its non-vectorized
+    mixed-dtype kernel (1.2 ms for E4B's [262144, 2560] weight gradient on an H200); Inductor emits one vectorized
+    kernel."""
+    acc = accumulation_dtype(g.dtype)
+    return (g.to(acc) * grad_output.to(acc)).to(g.dtype)
+
+
+# On CUDA the elementwise helpers (_chunk_loss, _block_grad, _chunk_loss_grad, _scale_grad) run through torch.compile
+# (dynamic shapes): Inductor fuses each into one or two kernels reading the bf16 logits once, instead of a dozen
+# full-size fp32 passes in eager mode. The op stays opaque to an outer torch.compile (the compiled helpers run inside
+# its kernel). G4OPS_LOSS_COMPILE=0 turns this off, =1 forces it on every device (the CPU tests use that); a failed
+# compilation warns once and runs eagerly.
 _LOSS_COMPILE = os.environ.get("G4OPS_LOSS_COMPILE")
 _compiled: dict = {}
 _compile_failed: list = []
@@ -222,11 +282,15 @@ def linear_cross_entropy_reference(
     """(loss, grad_hidden, grad_weight) for grad_output = 1; a gradient not asked for is an empty tensor.
 
     Pass 1, over chunks of tokens: logits -> softcap -> logsumexp and the label's logit, so the loss and every
-    row's logsumexp. Pass 2 (only when a gradient is wanted), over blocks of the vocabulary: the block's logits
-    again (one more GEMM), d loss / d logits = (softmax - onehot) * (1 - tanh^2) * row scale, then
-    grad_weight[block] = d.T @ hidden in one GEMM over all tokens (written straight into the result: one rounding,
-    no [V, H] accumulator) and grad_hidden += d @ weight[block] (partials in the input dtype, summed in an fp32
-    [N, H] accumulator, rounded once).
+    row's logsumexp. Gradients, by the first case that applies (the module docstring says why):
+    (a) no weight gradient: in pass 1 itself, d loss / d logits from the chunk's logits (`_chunk_loss_grad`), then
+        grad_hidden[chunk] = d @ weight (one GEMM, written straight into the result);
+    (b) every row in one chunk (`fits_one_pass`): the same on that one chunk, plus grad_weight = d.T @ hidden;
+    (c) otherwise pass 2, over blocks of the vocabulary: the block's logits again (one more GEMM), d loss / d logits
+        = (softmax - onehot) * (1 - tanh^2) * row scale, then grad_weight[block] = d.T @ hidden in one GEMM over all
+        tokens (written straight into the result: one rounding, no [V, H] accumulator) and
+        grad_hidden += d @ weight[block] (partials in the input dtype, summed in an fp32 [N, H] accumulator, rounded
+        once).
     """
     acc = accumulation_dtype(hidden.dtype)
     vocab, width = weight.shape
@@ -244,32 +308,47 @@ def linear_cross_entropy_reference(
         scale = torch.ones((), dtype=acc, device=hidden.device)
     want_h, want_w = bool(output_mask[0]), bool(output_mask[1])
     want_grad = (want_h or want_w) and rows > 0
+    # Cases (a) and (b): the gradients come from pass 1's logits; (c) needs pass 2. Decided on shapes alone.
+    one_pass = want_grad and (not want_w or fits_one_pass(rows, vocab, chunk_size))
+    # d loss / d logits per row: 1/#valid over ALL rows for the mean (a device tensor), 0 for ignored rows.
+    row_scale = (valid.to(acc) * scale).unsqueeze(1) if want_grad else None
 
-    # Pass 1: loss and per-row logsumexp.
-    lse_all = torch.empty(rows, dtype=acc, device=hidden.device) if want_grad else None
-    total = torch.zeros((), dtype=acc, device=hidden.device)
-    step = chunk_rows(rows, vocab, chunk_size)
-    for r0 in range(0, rows, step):
-        r1 = min(r0 + step, rows)
-        logits = F.linear(h2[r0:r1], weight)  # one GEMM in the input dtype, exactly stock's lm_head output
-        lse, row_loss = _run_fused(_chunk_loss, logits, safe[r0:r1], valid[r0:r1], cap)
-        del logits
-        total = total + row_loss.sum()
-        if want_grad:
-            lse_all[r0:r1] = lse
-    loss = total * scale
-
-    empty = hidden.new_empty(0)
-    grad_hidden = empty
+    grad_hidden = hidden.new_empty(0)
     grad_weight = weight.new_empty(0)
     if want_w:
         grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format)
         if rows == 0:
             grad_weight.zero_()
-    grad_h_acc = torch.zeros(h2.shape, dtype=acc, device=hidden.device) if want_h else None
-    if want_grad:
-        # Pass 2: gradients, one vocabulary block at a time.
-        row_scale = (valid.to(acc) * scale).unsqueeze(1)
+    grad_h2 = None
+    if want_h and one_pass:
+        grad_h2 = torch.empty(h2.shape, dtype=hidden.dtype, device=hidden.device)  # every row written once below
+
+    # Pass 1: loss and per-row logsumexp; in cases (a) and (b) the gradients too.
+    lse_all = torch.empty(rows, dtype=acc, device=hidden.device) if want_grad and not one_pass else None
+    total = torch.zeros((), dtype=acc, device=hidden.device)
+    step = rows if one_pass and want_w else chunk_rows(rows, vocab, chunk_size)
+    for r0 in range(0, rows, step):
+        r1 = min(r0 + step, rows)
+        logits = F.linear(h2[r0:r1], weight)  # one GEMM in the input dtype, exactly stock's lm_head output
+        if one_pass:
+            _, row_loss, d = _run_fused(_chunk_loss_grad, logits, safe[r0:r1], valid[r0:r1], row_scale[r0:r1], cap)
+            del logits
+            if want_w:  # case (b): this one chunk holds every row
+                torch.mm(d.t(), h2.contiguous(), out=grad_weight)
+            if want_h:  # fp32 accumulation inside the GEMM, one rounding, no [N, H] accumulator
+                torch.mm(d, weight, out=grad_h2[r0:r1])
+            del d
+        else:
+            lse, row_loss = _run_fused(_chunk_loss, logits, safe[r0:r1], valid[r0:r1], cap)
+            del logits
+            if want_grad:
+                lse_all[r0:r1] = lse
+        total = total + row_loss.sum()
+    loss = total * scale
+
+    if want_grad and not one_pass:
+        # Case (c), pass 2: gradients, one vocabulary block at a time.
+        grad_h_acc = torch.zeros(h2.shape, dtype=acc, device=hidden.device) if want_h else None
         h_c = h2.contiguous()
         block = vocab_block(rows, vocab, chunk_size)
         for v0 in range(0, vocab, block):
@@ -284,8 +363,10 @@ def linear_cross_entropy_reference(
                     grad_h_acc.addmm_(d, w_b)
                 else:
                     grad_h_acc.add_(torch.mm(d, w_b))  # bf16/fp16 partial per block, summed in fp32
+        if want_h:
+            grad_h2 = grad_h_acc.to(hidden.dtype)
     if want_h:
-        grad_hidden = grad_h_acc.to(hidden.dtype).reshape(hidden.shape)
+        grad_hidden = (grad_h2 if grad_h2 is not None else hidden.new_zeros(h2.shape)).reshape(hidden.shape)
     return loss, grad_hidden, grad_weight
 
 
@@ -316,8 +397,7 @@ def _backward_impl(grad_output, grad_hidden, grad_weight, output_mask):
     _check_backward(grad_output, grad_hidden, grad_weight, output_mask)
 
     def scaled(g, wanted):
-        # bf16 * fp32 0-d tensor: computed in fp32, rounded once to g's dtype.
-        return (g * grad_output).to(g.dtype) if wanted else g.new_empty(0)
+        return _run_fused(_scale_grad, g, grad_output) if wanted else g.new_empty(0)
 
     return scaled(grad_hidden, output_mask[0]), scaled(grad_weight, output_mask[1])
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import g4ops.loss as loss_mod
 from g4ops.loss import linear_cross_entropy
@@ -25,6 +27,7 @@ except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.
     from devices import capture_cuda_graph
 
 IGNORE = -100
+aten = torch.ops.aten
 
 
 def oracle(hidden, weight, labels, softcap, ignore_index=IGNORE, reduction="mean"):
@@ -36,19 +39,21 @@ def oracle(hidden, weight, labels, softcap, ignore_index=IGNORE, reduction="mean
                            reduction=reduction)
 
 
-def oracle_with_grads(hidden, weight, labels, softcap, **kw):
+def oracle_with_grads(hidden, weight, labels, softcap, grad_output=1.0, **kw):
     h = hidden.detach().double().requires_grad_()
     w = weight.detach().double().requires_grad_()
     loss = oracle(h, w, labels, softcap, **kw)
-    gh, gw = torch.autograd.grad(loss, (h, w))
+    gh, gw = torch.autograd.grad(loss * grad_output, (h, w))
     return loss.detach(), gh, gw
 
 
-def stock_bf16_style(hidden, weight, labels, softcap):
+def stock_bf16_style(hidden, weight, labels, softcap, reduction="mean"):
     """What transformers does for Gemma-4: lm_head in the model dtype, softcap in that dtype, then .float()."""
     logits = F.linear(hidden, weight)
-    logits = torch.tanh(logits / softcap) * softcap
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
+                           reduction=reduction)
 
 
 def tolerance(dtype: torch.dtype, reduction_len: int) -> float:
@@ -126,6 +131,145 @@ def test_low_precision_no_worse_than_stock(dtype):
         assert rel_err(ours, ref) <= 1.1 * rel_err(theirs, ref) + torch.finfo(dtype).eps
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The three gradient cases (module docstring): (a) no weight gradient, one pass; (b) weight gradient, every row in
+# one chunk, one pass; (c) weight gradient, more rows: two passes.
+
+PATH_N, PATH_H, PATH_V = 37, 48, 1031  # odd sizes
+
+
+def force_path(monkeypatch, path):
+    """(weight requires grad, chunk_size) that take gradient case `path` for PATH_N rows at PATH_V words, with the
+    automatic sizes patched to 8 rows per pass-1 chunk (5 chunks, the last ragged)."""
+    monkeypatch.setattr(loss_mod, "CHUNK_LOGITS", 8 * PATH_V)
+    monkeypatch.setattr(loss_mod, "ONE_PASS_LOGITS", (PATH_N if path == "b" else 8) * PATH_V)
+    want_w = path != "a"
+    assert loss_mod.fits_one_pass(PATH_N, PATH_V, 0) == (path == "b")
+    return want_w, 0
+
+
+def run_path(hidden, weight, labels, softcap, reduction, want_w, chunk_size=0, grad_output=1.0):
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_(want_w)
+    loss = torch.ops.g4ops.linear_cross_entropy(h, w, labels, softcap, IGNORE, reduction, chunk_size)
+    (loss * grad_output).backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("softcap", [30.0, None])
+@pytest.mark.parametrize("path", ["a", "b", "c"])
+def test_gradient_cases_fp32_match_fp64_oracle(monkeypatch, path, softcap, reduction):
+    want_w, chunk = force_path(monkeypatch, path)
+    hidden, weight, labels = make_inputs(PATH_N, PATH_H, PATH_V, seed=20)
+    assert (labels == IGNORE).any()
+    loss, gh, gw = run_path(hidden, weight, labels, softcap, reduction, want_w, chunk)
+    ref_loss, ref_gh, ref_gw = oracle_with_grads(hidden, weight, labels, softcap, reduction=reduction)
+    assert torch.all(gh[labels == IGNORE] == 0)
+    assert rel_err(loss, ref_loss) < tolerance(torch.float32, PATH_H)
+    assert rel_err(gh, ref_gh) < tolerance(torch.float32, PATH_V)  # d @ weight sums over the vocabulary
+    if want_w:
+        assert rel_err(gw, ref_gw) < tolerance(torch.float32, PATH_N)
+    else:
+        assert gw is None
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("softcap", [30.0, None])
+@pytest.mark.parametrize("path", ["a", "b", "c"])
+def test_gradient_cases_bf16_no_worse_than_stock(monkeypatch, path, softcap, reduction):
+    want_w, chunk = force_path(monkeypatch, path)
+    hidden, weight, labels = make_inputs(PATH_N, PATH_H, PATH_V, dtype=torch.bfloat16, seed=22)
+    hidden = hidden * 3  # logits of order 10-30: the softcap matters
+    ref_loss, ref_gh, ref_gw = oracle_with_grads(hidden, weight, labels, softcap, reduction=reduction)
+    loss, gh, gw = run_path(hidden, weight, labels, softcap, reduction, want_w, chunk)
+    hs = hidden.detach().clone().requires_grad_()
+    ws = weight.detach().clone().requires_grad_()
+    stock = stock_bf16_style(hs, ws, labels, softcap, reduction)
+    stock.backward()
+    pairs = [(loss, stock.detach(), ref_loss), (gh, hs.grad, ref_gh)]
+    if want_w:
+        pairs.append((gw, ws.grad, ref_gw))
+    else:
+        assert gw is None
+    for ours, theirs, ref in pairs:
+        assert rel_err(ours, ref) <= 1.1 * rel_err(theirs, ref) + torch.finfo(torch.bfloat16).eps
+
+
+class _GemmCounter(TorchDispatchMode):
+    """Counts the GEMMs and their work in multiply-adds. Every GEMM of the loss spans the vocabulary or a block of
+    it (logits, d @ weight, d.T @ hidden), so the work is a whole number of [N x V x H] GEMMs.
+
+    The loss's internal ops reach this mode whole; it runs their CPU kernel under itself to see their aten calls."""
+
+    _MM = {aten.mm: (0, 1), aten.addmm: (1, 2), aten.addmm_: (1, 2), aten.linear: (0, 1)}
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.work = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "g4ops":
+            with self:
+                return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **kwargs)
+        operands = self._MM.get(func.overloadpacket)
+        if operands is not None:
+            a, b = args[operands[0]], args[operands[1]]
+            if func.overloadpacket is aten.linear:  # b is [out, in]
+                self.work += a.numel() * b.shape[0]
+            else:
+                self.work += a.shape[0] * a.shape[1] * b.shape[1]
+            self.calls += 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "want_h,want_w,chunk_size,case",
+    [
+        (True, False, 0, "a"), (True, False, 7, "a"), (True, False, PATH_N, "a"),
+        (True, True, 0, "b"), (False, True, 0, "b"), (True, True, PATH_N, "b"), (True, True, 64, "b"),
+        (True, True, 7, "c"), (False, True, 7, "c"), (True, True, PATH_N - 1, "c"),
+    ],
+)
+def test_gradient_cases_vocab_gemm_count(monkeypatch, want_h, want_w, chunk_size, case):
+    """(a) and (b) compute each chunk's logits once: 2 GEMMs per chunk for (a), 3 in all for (b); (c) recomputes
+    them in pass 2: one GEMM per pass-1 chunk plus three per vocabulary block. In units of one [N x V x H] GEMM:
+    2 for (a), 3 for (b), 4 for (c) (one fewer per gradient not wanted in (b) and (c))."""
+    monkeypatch.setattr(loss_mod, "_LOSS_COMPILE", "0")  # the count, not the helpers, is under test
+    monkeypatch.setattr(loss_mod, "CHUNK_LOGITS", 8 * PATH_V)  # automatic: 8 rows per chunk
+    monkeypatch.setattr(loss_mod, "ONE_PASS_LOGITS", PATH_N * PATH_V)  # automatic: every row fits case (b)
+    hidden, weight, labels = make_inputs(PATH_N, PATH_H, PATH_V, seed=23)
+    h = hidden.clone().requires_grad_(want_h)
+    w = weight.clone().requires_grad_(want_w)
+    counter = _GemmCounter()
+    with counter:
+        loss = linear_cross_entropy(h, w, labels, 30.0, chunk_size=chunk_size)
+        loss.backward()
+    ref_loss, ref_gh, ref_gw = oracle_with_grads(hidden, weight, labels, 30.0)
+    assert rel_err(loss.detach(), ref_loss) < tolerance(torch.float32, PATH_H)
+    if want_h:
+        assert rel_err(h.grad, ref_gh) < tolerance(torch.float32, PATH_V)
+    if want_w:
+        assert rel_err(w.grad, ref_gw) < tolerance(torch.float32, PATH_N)
+    chunks = -(-PATH_N // loss_mod.chunk_rows(PATH_N, PATH_V, chunk_size))
+    blocks = -(-PATH_V // loss_mod.vocab_block(PATH_N, PATH_V, chunk_size))
+    grads = int(want_h) + int(want_w)
+    expected_calls = {"a": 2 * chunks, "b": 1 + grads, "c": chunks + blocks * (1 + grads)}[case]
+    assert counter.calls == expected_calls
+    assert counter.work == (1 + grads + int(case == "c")) * PATH_N * PATH_V * PATH_H
+
+
+def test_fits_one_pass():
+    vocab = 262144
+    assert loss_mod.fits_one_pass(2048, vocab, 0)  # 2**29 logits: Gemma-4 E4B at 2048 tokens
+    assert not loss_mod.fits_one_pass(2049, vocab, 0)
+    assert loss_mod.fits_one_pass(1, 1 << 30, 0)  # pass 1 takes one row per chunk anyway
+    assert loss_mod.fits_one_pass(37, 1031, 37) and loss_mod.fits_one_pass(37, 1031, 64)
+    assert not loss_mod.fits_one_pass(37, 1031, 36)  # an explicit chunk_size is a limit: no bigger one-pass chunk
+    assert not loss_mod.fits_one_pass(4096, vocab, 4095)
+
+
 def test_ignore_index_rows_get_no_gradient_and_do_not_count():
     hidden, weight, labels = make_inputs(20, 16, 40, ignore_frac=0.0)
     labels[::3] = IGNORE
@@ -170,16 +314,24 @@ def test_sum_and_num_items_in_batch():
         assert rel_err(gw, w.grad) < tolerance(torch.float32, 30)
 
 
-def test_grad_output_scaling_and_partial_grads():
-    hidden, weight, labels = make_inputs(25, 16, 40)
-    h = hidden.clone().requires_grad_()
-    (linear_cross_entropy(h, weight, labels, 30.0, chunk_size=4) * -0.37).backward()  # weight frozen (LoRA case)
-    hd = hidden.double().requires_grad_()
-    (oracle(hd, weight, labels, 30.0) * -0.37).backward()
-    assert rel_err(h.grad, hd.grad) < tolerance(torch.float32, 16)
-    w = weight.clone().requires_grad_()
-    linear_cross_entropy(hidden, w, labels, 30.0).backward()  # hidden without grad
-    assert w.grad is not None and w.grad.shape == weight.shape
+@pytest.mark.parametrize("path", ["a", "b", "c"])
+def test_grad_output_scaling_and_partial_grads(monkeypatch, path):
+    """The backward scales the saved gradients by grad_output (-0.37 here) on each gradient case."""
+    want_w, chunk = force_path(monkeypatch, path)
+    hidden, weight, labels = make_inputs(PATH_N, PATH_H, PATH_V, seed=21)
+    loss, gh, gw = run_path(hidden, weight, labels, 30.0, "mean", want_w, chunk, grad_output=-0.37)
+    ref_loss, ref_gh, ref_gw = oracle_with_grads(hidden, weight, labels, 30.0, grad_output=-0.37)
+    assert rel_err(loss, ref_loss) < tolerance(torch.float32, PATH_H)
+    assert rel_err(gh, ref_gh) < tolerance(torch.float32, PATH_V)
+    if want_w:
+        assert rel_err(gw, ref_gw) < tolerance(torch.float32, PATH_N)
+    else:
+        assert gw is None
+    for chunk_size in (PATH_N, 4):  # hidden without grad: (b) (one chunk of every row), then (c)
+        w = weight.clone().requires_grad_()
+        (linear_cross_entropy(hidden, w, labels, 30.0, chunk_size=chunk_size) * 0.37).backward()
+        assert w.grad is not None and w.grad.shape == weight.shape
+        assert rel_err(w.grad, -ref_gw) < tolerance(torch.float32, PATH_N)
 
 
 def test_no_grad_path_and_int32_labels():
@@ -249,7 +401,7 @@ def test_compiled_elementwise_matches_eager(monkeypatch):
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="g4ops.linear_cross_entropy")  # no silent fallback
             compiled = run_ours(hidden, weight, labels, 30.0, chunk_size=16)  # ragged chunks and blocks
-        assert set(loss_mod._compiled) == {loss_mod._chunk_loss, loss_mod._block_grad}
+        assert set(loss_mod._compiled) == {loss_mod._chunk_loss, loss_mod._block_grad, loss_mod._scale_grad}
         monkeypatch.setattr(loss_mod, "_LOSS_COMPILE", "0")
         eager = run_ours(hidden, weight, labels, 30.0, chunk_size=16)
     finally:
@@ -257,6 +409,45 @@ def test_compiled_elementwise_matches_eager(monkeypatch):
     ref = oracle_with_grads(hidden, weight, labels, 30.0)
     for c, e, r in zip(compiled, eager, ref):  # Inductor may fuse/reorder fp32 math: equal up to a few bf16 ulps
         assert rel_err(c, r) <= 1.5 * rel_err(e, r) + torch.finfo(torch.bfloat16).eps
+
+
+def test_compiled_gradient_cases_and_scaling_match_eager(monkeypatch):
+    """Forced compilation (the CUDA default) on each gradient case, grad_output -0.37 scaled by the compiled
+    _scale_grad; and _scale_grad compiled gives exactly what the eager `(g * grad_output).to(g.dtype)` gave."""
+    import warnings
+
+    monkeypatch.setattr(loss_mod, "_compiled", {})
+    monkeypatch.setattr(loss_mod, "_compile_failed", [])
+    torch._dynamo.reset()
+    hidden, weight, labels = make_inputs(PATH_N, PATH_H, PATH_V, dtype=torch.bfloat16, seed=24)
+    hidden = hidden * 3
+    ref = oracle_with_grads(hidden, weight, labels, 30.0, grad_output=-0.37)
+    try:
+        for path in "abc":
+            want_w, chunk = force_path(monkeypatch, path)
+            monkeypatch.setattr(loss_mod, "_LOSS_COMPILE", "1")
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="g4ops.linear_cross_entropy")  # no silent fallback
+                compiled = run_path(hidden, weight, labels, 30.0, "mean", want_w, chunk, grad_output=-0.37)
+            monkeypatch.setattr(loss_mod, "_LOSS_COMPILE", "0")
+            eager = run_path(hidden, weight, labels, 30.0, "mean", want_w, chunk, grad_output=-0.37)
+            assert (compiled[2] is None) == (eager[2] is None) == (not want_w)
+            for c, e, r in zip(compiled, eager, ref):
+                if e is not None:  # Inductor may fuse/reorder fp32 math: equal up to a few bf16 ulps
+                    assert rel_err(c, r) <= 1.5 * rel_err(e, r) + torch.finfo(torch.bfloat16).eps
+        assert set(loss_mod._compiled) == {
+            loss_mod._chunk_loss, loss_mod._block_grad, loss_mod._chunk_loss_grad, loss_mod._scale_grad
+        }
+        monkeypatch.setattr(loss_mod, "_LOSS_COMPILE", "1")
+        gen = torch.Generator().manual_seed(25)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            g = (torch.randn(67, 45, generator=gen, dtype=torch.float64) * 100).to(dtype)
+            go = torch.tensor(-0.37, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+            got = loss_mod._run_fused(loss_mod._scale_grad, g, go)
+            assert got.dtype == dtype and torch.equal(got, (g * go).to(dtype)), dtype
+        assert not loss_mod._compile_failed
+    finally:
+        torch._dynamo.reset()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -499,18 +690,20 @@ def test_hf_fused_forward_compiles_fullgraph(tiny):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("chunk_size", [0, 96])
-def test_cuda_vs_oracle_and_stock(dtype, chunk_size):
+@pytest.mark.parametrize("chunk_size,want_w", [(0, True), (96, True), (96, False)])  # cases (b), (c), (a)
+def test_cuda_vs_oracle_and_stock(dtype, chunk_size, want_w):
     n, h, v = 769, 256, 32771  # odd sizes: ragged last chunk and vocabulary block
     hidden, weight, labels = make_inputs(n, h, v, dtype=dtype, seed=11)
     hidden = hidden * 3
-    ref_loss, ref_gh, ref_gw = oracle_with_grads(hidden, weight, labels, 30.0)
-    loss, gh, gw = run_ours(hidden.cuda(), weight.cuda(), labels.cuda(), 30.0, chunk_size)
+    ref_loss, ref_gh, ref_gw = oracle_with_grads(hidden, weight, labels, 30.0, grad_output=0.37)
+    loss, gh, gw = run_path(hidden.cuda(), weight.cuda(), labels.cuda(), 30.0, "mean", want_w, chunk_size, 0.37)
     hs = hidden.cuda().requires_grad_()
     ws = weight.cuda().requires_grad_()
     stock = stock_bf16_style(hs, ws, labels.cuda(), 30.0)
-    stock.backward()
-    for ours, theirs, ref in ((loss, stock.detach(), ref_loss), (gh, hs.grad, ref_gh), (gw, ws.grad, ref_gw)):
+    (stock * 0.37).backward()
+    pairs = [(loss, stock.detach(), ref_loss), (gh, hs.grad, ref_gh)] + ([(gw, ws.grad, ref_gw)] if want_w else [])
+    assert want_w or gw is None
+    for ours, theirs, ref in pairs:
         ours, theirs = ours.cpu(), theirs.cpu()
         assert torch.isfinite(ours).all()
         assert rel_err(ours, ref) <= 1.1 * rel_err(theirs, ref) + torch.finfo(dtype).eps
@@ -524,12 +717,14 @@ def test_cuda_opcheck_and_no_sync():
     torch.library.opcheck(
         torch.ops.g4ops.linear_cross_entropy.default, (hidden, weight, labels, 30.0, IGNORE, "mean", 8)
     )
-    linear_cross_entropy(hidden, weight, labels, 30.0, chunk_size=8).backward()  # warm-up: compiles the helpers
-    torch.cuda.set_sync_debug_mode("error")  # any host sync in forward or backward raises
-    try:
-        linear_cross_entropy(hidden, weight, labels, 30.0, chunk_size=8).backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    frozen = weight.detach()
+    for w, chunk in ((weight, 8), (weight, 0), (frozen, 8)):  # gradient cases (c), (b), (a)
+        (linear_cross_entropy(hidden, w, labels, 30.0, chunk_size=chunk) * 0.37).backward()  # warm-up: compiles
+        torch.cuda.set_sync_debug_mode("error")  # any host sync in forward or backward raises
+        try:
+            (linear_cross_entropy(hidden, w, labels, 30.0, chunk_size=chunk) * 0.37).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.cuda
