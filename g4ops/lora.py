@@ -198,10 +198,12 @@ def _dropped(t, drop):
 
 
 # Devices where fp32 adapters of a bf16 model take their products over tokens and features on bf16 tensor cores
-# (`_split_mm`): CUDA with G4OPS_LORA_SPLIT=1, else none. Opt-in because it trades GPU time for host time: on the
-# H200 (torch 2.11, 2026-12-04, E4B shapes, r=16, 2048 tokens) an MLP forward and backward took 2.47 ms of GPU
-# against 3.60 ms, but the 42-layer compiled step, host-bound on the op's per-call cost, fell from 11610 to 10030
-# tok/s (bench/results/2026-12-04-h200-session22.md). The tests add "cpu", where the same arithmetic runs in fp32.
+# (`_split_mm`): CUDA with G4OPS_LORA_SPLIT=1, else none. It trades GPU time for host time, so it pays only where the
+# op's per-call host cost is gone, under CUDA graphs (torch.compile mode="reduce-overhead"). On the H200 (torch 2.11,
+# 2026-12-04, E4B shapes, r=16, 2048 tokens): an MLP forward and backward took 2.47 ms of GPU against 3.60 ms; the
+# 42-layer default-mode compiled step, host-bound, fell from 11610 to 10030 tok/s (session 22), while a graphed
+# 4-layer step rose from 69440 to 75191 tok/s (bench/results/2026-12-04-h200-session23.md). Opt-in, as the default
+# compile mode is what most users run. The tests add "cpu", where the same arithmetic runs in fp32.
 SPLIT_DEVICES = {"cuda"} if os.environ.get("G4OPS_LORA_SPLIT") == "1" else set()
 
 

@@ -186,6 +186,17 @@ def test_decode_attention_bench_smoke(tmp_path):
     assert all(r["err_g4ops"] < 1e-2 and r["g4ops_us"] > 0 for r in rows)
 
 
+def test_loss_bench_smoke(tmp_path):
+    """bench/loss_bench.py finds the op's GEMMs (the frozen weight's one pass: 2 per chunk; the trained weight's one
+    pass over every row: 3) and times them beside the op."""
+    out = tmp_path / "loss.json"
+    _run(["bench/loss_bench.py", "--device", "cpu", "--rows", "96", "--vocab", "1031", "--hidden", "32", "--repeats",
+          "1", "--json", str(out)], tmp_path)  # fmt: skip
+    res = {r["weight_grad"]: r for r in json.loads(out.read_text())["results"]}
+    assert res[False]["gemms"] == 2 and res[True]["gemms"] == 3, res
+    assert all(r["op_ms"] > 0 and r["gemm_ms"] > 0 for r in res.values())
+
+
 def test_adamw_bench_smoke(tmp_path):
     out = tmp_path / "adamw.json"
     _run(["bench/adamw.py", "--device", "cpu", "--smoke", "--json", str(out)], tmp_path)
