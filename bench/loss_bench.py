@@ -8,7 +8,8 @@ weight gradient too: a full finetune), it reports the median time of `g4ops::lin
 the vocabulary-wide GEMMs alone that the op issues (counted by a dispatch mode over one call, then replayed as bare
 `torch.mm`s of the same shapes), so the difference is what the op spends beyond its matrix products: the softcap,
 logsumexp and softmax passes over the logits and the gradient's scaling and casts. bf16 on CUDA, random inputs
-(never zeros); CUDA events, warm-up first.
+(never zeros); CUDA events, warm-up first. `G4OPS_LOSS_KERNEL=1` times the op with its opt-in CUDA kernel for the
+elementwise part (csrc/softcap_xent.cu; the JSON's meta says which ran).
 """
 
 from __future__ import annotations
@@ -107,11 +108,12 @@ def main(argv=None):
         for trained in (False, True):
             r = bench(rows, args.vocab, args.hidden, trained, args.device, dtype, args.repeats)
             results.append(r)
-            print(f"rows={rows:6d} weight_grad={trained!s:5}  op {r['op_ms']:8.3f} ms  its {r['gemms']} GEMMs alone "
-                  f"{r['gemm_ms']:8.3f} ms ({r['gemm_tflops']:.0f} TFLOP/s)  beyond them {r['beyond_gemms_ms']:8.3f} ms",
-                  flush=True)  # fmt: skip
+            print(f"rows={rows:6d} weight_grad={trained!s:5}  op {r['op_ms']:8.3f} ms  its {r['gemms']} GEMMs "
+                  f"alone {r['gemm_ms']:8.3f} ms ({r['gemm_tflops']:.0f} TFLOP/s)  beyond them "
+                  f"{r['beyond_gemms_ms']:8.3f} ms", flush=True)  # fmt: skip
     if args.json:
-        meta = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        meta = dict(torch=torch.__version__, loss_kernel=g4ops.loss._LOSS_KERNEL,
+                    device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                     date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, results=results), f, indent=1)

@@ -23,9 +23,10 @@ Semantics (what HF transformers computes for Gemma-4 with `labels`, written out 
 layout [V, H] (the tied embedding), `labels` is an integer tensor of shape hidden.shape[:-1]. The loss is a 0-d
 fp32 tensor (fp64 for fp64 inputs), like HF's `logits.float()` loss.
 
-Algorithm: pass 1 walks chunks of tokens; each chunk's logits come from one GEMM, and a fused helper turns them into
-each row's logsumexp and loss. In training, d loss / d logits = (softmax - onehot) * (1 - tanh^2) * row scale feeds
-the gradients by the first of three cases that applies:
+Algorithm: pass 1 walks chunks of tokens; each chunk's logits come from one GEMM, and a fused helper (with
+G4OPS_LOSS_KERNEL=1 on CUDA a hand-written kernel, see Kernels) turns them into each row's logsumexp and loss. In
+training, d loss / d logits = (softmax - onehot) * (1 - tanh^2) * row scale feeds the gradients by the first of
+three cases that applies:
   (a) no weight gradient wanted (a frozen tied embedding, as in LoRA finetuning), any number of tokens: the helper
       also returns d for the chunk's logits, and grad_hidden[chunk] = d @ weight is one GEMM written straight into the
       result (fp32 accumulation inside the GEMM, one rounding: no fp32 [N, H] accumulator).
@@ -43,6 +44,15 @@ where one pass would need to sum the weight gradient over token chunks, in the w
 chunk, or in an fp32 [V, H] accumulator (2.7 GB at E4B's vocabulary); (c) needs neither and rounds the weight
 gradient once. (b) and (c) give the same gradients up to the GEMMs' own summation order.
 
+Kernels (opt-in, G4OPS_LOSS_KERNEL=1): on CUDA with fp16/bf16/fp32 inputs, pass 1's helper (logsumexp and loss per
+row) and, in cases (a) and (b), the one-pass helper (those plus d) run as one hand-written kernel per chunk
+(csrc/softcap_xent.cu, the internal op g4ops_kernels.softcap_xent_rows; `_kernel_usable` decides): one CTA per row
+reads the row once for its logsumexp and, for d, once more (from its end, the likeliest to still be in L2) to write
+d over the chunk's logits in place. Why: at E4B's shape on an H200 (bf16, 2048 tokens) the Inductor helpers took
+3.2 to 6.2 ms of the op beyond its GEMMs (bench/loss_bench.py, two sessions), where reading and writing the logits
+once takes ~0.8 ms. Opt-in because its speed has not been measured yet (its CUDA tests against fp64 pass on the
+H200, 2026-12-04). Case (c)'s pass-2 helper, the backward's scaling, fp64 and CPU keep the helpers.
+
 Numerics: each chunk's logits come from one GEMM in the input dtype (fp32 accumulation inside cuBLAS / the CPU
 BLAS, one rounding: exactly stock's `lm_head` output); the softcap, logsumexp, softmax and the softcap derivative
 run in fp32 (fp64 for fp64 inputs) from there. Stock transformers applies the softcap in bf16 (three roundings) and
@@ -50,16 +60,20 @@ only then upcasts, so this is closer to an fp64 oracle than stock (measured on C
 relative error of grad_hidden 0.0048 vs stock's 0.0105, grad_weight 0.0046 vs 0.0106, loss 2e-5 vs 3.9e-5). When
 the backward's grad_output is not exactly 1 (loss scaling, gradient accumulation divided into the loss) the saved
 gradients are multiplied by it (in fp32, fp64 for fp64): one more rounding in bf16.
+The CUDA kernel (Kernels) computes the same fp32 formulas with CUDA's accurate tanhf / expf / logf (at most 2 ulp each)
+and x / softcap as x * (1 / softcap), as ATen's CUDA division by a scalar does: equal to the helpers up to those fp32
+roundings.
 
 Memory: per chunk / block about CHUNK_LOGITS logits (2**27: 512 tokens at V = 262144) in the input dtype for the
 logits and for d, plus, in eager mode (CPU, or a failed compilation), a few fp32 buffers of that size (0.5 GiB each;
 on CUDA Inductor fuses that fp32 math into its kernels). Case (b)'s one chunk holds up to ONE_PASS_LOGITS (2**29)
-logits: 1 GiB each for the bf16 logits and d (eager: 2 GiB per fp32 buffer). Case (a) writes grad_hidden chunk by
-chunk into the result; case (c) adds the per-row logsumexp and an fp32 [N, H] accumulator. Between forward and
-backward only the two gradients (in the input dtypes) are kept, as Liger keeps them. No host sync anywhere on CUDA
-(the mean divides by a device tensor, and the case is chosen from shapes alone; out-of-range labels trip a
-device-side assert, as F.cross_entropy does; on CPU they raise an error naming `labels`). `chunk_size` > 0 fixes the
-tokens per pass-1 chunk (pass-2 blocks hold as many logits; case (b) only when it covers every row); 0 = automatic.
+logits: 1 GiB each for the bf16 logits and d (1 GiB in all where the CUDA kernel writes d over the logits; eager:
+2 GiB per fp32 buffer). Case (a) writes grad_hidden chunk by chunk into the result; case (c) adds the per-row
+logsumexp and an fp32 [N, H] accumulator. Between forward and backward only the two gradients (in the input dtypes)
+are kept, as Liger keeps them. No host sync anywhere on CUDA (the mean divides by a device tensor, and the case is
+chosen from shapes alone; out-of-range labels trip a device-side assert, as F.cross_entropy does; on CPU they raise
+an error naming `labels`). `chunk_size` > 0 fixes the tokens per pass-1 chunk (pass-2 blocks hold as many logits;
+case (b) only when it covers every row); 0 = automatic.
 
 Double backward is not supported (once_differentiable), like Liger's fused loss.
 """
@@ -71,6 +85,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ._build import ensure_cuda_kernels, status
 from ._fused import run_compiled
 from .ops import _internal_op_autograd, _lib
 from .reference import accumulation_dtype
@@ -100,6 +115,7 @@ CHUNK_LOGITS = 1 << 27
 ONE_PASS_LOGITS = 1 << 29
 _REDUCTIONS = ("mean", "sum")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # csrc/softcap_xent.cu's; fp64 keeps the helpers
 _LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
@@ -254,10 +270,11 @@ def _scale_grad(g: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
     return (g.to(acc) * grad_output.to(acc)).to(g.dtype)
 
 
-# On CUDA the elementwise helpers (_chunk_loss, _block_grad, _chunk_loss_grad, _scale_grad) run through torch.compile
-# (dynamic shapes): Inductor fuses each into one or two kernels reading the bf16 logits once, instead of a dozen
-# full-size fp32 passes in eager mode. The op stays opaque to an outer torch.compile (the compiled helpers run inside
-# its kernel). G4OPS_LOSS_COMPILE=0 turns this off, =1 forces it on every device (the CPU tests use that); a failed
+# On CUDA the elementwise helpers that reach `_run_fused` (_block_grad and _scale_grad always; _chunk_loss and
+# _chunk_loss_grad unless `_kernel_usable`: by default, and for fp64) run through torch.compile (dynamic
+# shapes): Inductor fuses each into one or two kernels reading the bf16 logits once, instead of a dozen full-size
+# fp32 passes in eager mode. The op stays opaque to an outer torch.compile (the compiled helpers run inside its
+# kernel). G4OPS_LOSS_COMPILE=0 turns this off, =1 forces it on every device (the CPU tests use that); a failed
 # compilation warns once and runs eagerly.
 _LOSS_COMPILE = os.environ.get("G4OPS_LOSS_COMPILE")
 _compiled: dict = {}
@@ -267,6 +284,42 @@ _compile_failed: list = []
 def _run_fused(fn, *args):
     return run_compiled(fn, args, _LOSS_COMPILE, _compiled, _compile_failed,
                         "g4ops.linear_cross_entropy: torch.compile of its elementwise part")  # fmt: skip
+
+
+# Pass 1 on CUDA (fp16/bf16/fp32) through csrc/softcap_xent.cu with G4OPS_LOSS_KERNEL=1 (module docstring,
+# Kernels: opt-in until a GPU run times it against the Inductor helpers).
+_LOSS_KERNEL = os.environ.get("G4OPS_LOSS_KERNEL") == "1"
+
+
+def _kernel_usable(logits: torch.Tensor) -> bool:
+    """The one place that decides whether a chunk's logits go through the CUDA kernel: CUDA logits in fp16, bf16 or
+    fp32 with the compiled kernels loaded (this loads them once; as for every g4ops op, a failed build raises unless
+    the reference fallback is allowed). fp64 (gradcheck) and CPU keep the helpers, and so does code being traced by
+    torch.compile (the kernel is an opaque op without a fake kernel; the loss op itself is never traced into)."""
+    if not (_LOSS_KERNEL and logits.is_cuda and logits.dtype in _KERNEL_DTYPES) or torch.compiler.is_compiling():
+        return False
+    ensure_cuda_kernels()
+    return bool(status()["loaded"])
+
+
+def _pass1_loss(logits: torch.Tensor, safe: torch.Tensor, valid: torch.Tensor, cap: float):
+    """`_chunk_loss` of one chunk (logsumexp per row, loss per row): the CUDA kernel where usable (it only reads
+    `logits`), else the helper through `_run_fused`."""
+    if _kernel_usable(logits):
+        return torch.ops.g4ops_kernels.softcap_xent_rows(logits, safe, valid, None, cap)
+    return _run_fused(_chunk_loss, logits, safe, valid, cap)
+
+
+def _pass1_loss_grad(
+    logits: torch.Tensor, safe: torch.Tensor, valid: torch.Tensor, row_scale: torch.Tensor, cap: float
+):
+    """`_chunk_loss_grad` of one chunk (logsumexp, loss per row, d loss / d logits in the input dtype). The CUDA
+    kernel writes d over `logits` and returns that tensor as d: `logits` must be a fresh GEMM output that nothing
+    else holds, and the caller must not read it as logits afterwards."""
+    if _kernel_usable(logits):
+        lse, row_loss = torch.ops.g4ops_kernels.softcap_xent_rows(logits, safe, valid, row_scale.reshape(-1), cap)
+        return lse, row_loss, logits
+    return _run_fused(_chunk_loss_grad, logits, safe, valid, row_scale, cap)
 
 
 def linear_cross_entropy_reference(
@@ -283,7 +336,7 @@ def linear_cross_entropy_reference(
 
     Pass 1, over chunks of tokens: logits -> softcap -> logsumexp and the label's logit, so the loss and every
     row's logsumexp. Gradients, by the first case that applies (the module docstring says why):
-    (a) no weight gradient: in pass 1 itself, d loss / d logits from the chunk's logits (`_chunk_loss_grad`), then
+    (a) no weight gradient: in pass 1 itself, d loss / d logits from the chunk's logits (`_pass1_loss_grad`), then
         grad_hidden[chunk] = d @ weight (one GEMM, written straight into the result);
     (b) every row in one chunk (`fits_one_pass`): the same on that one chunk, plus grad_weight = d.T @ hidden;
     (c) otherwise pass 2, over blocks of the vocabulary: the block's logits again (one more GEMM), d loss / d logits
@@ -331,7 +384,8 @@ def linear_cross_entropy_reference(
         r1 = min(r0 + step, rows)
         logits = F.linear(h2[r0:r1], weight)  # one GEMM in the input dtype, exactly stock's lm_head output
         if one_pass:
-            _, row_loss, d = _run_fused(_chunk_loss_grad, logits, safe[r0:r1], valid[r0:r1], row_scale[r0:r1], cap)
+            # on CUDA, d IS `logits`, overwritten in place: from here on only d is used
+            _, row_loss, d = _pass1_loss_grad(logits, safe[r0:r1], valid[r0:r1], row_scale[r0:r1], cap)
             del logits
             if want_w:  # case (b): this one chunk holds every row
                 torch.mm(d.t(), h2.contiguous(), out=grad_weight)
@@ -339,7 +393,7 @@ def linear_cross_entropy_reference(
                 torch.mm(d, weight, out=grad_h2[r0:r1])
             del d
         else:
-            lse, row_loss = _run_fused(_chunk_loss, logits, safe[r0:r1], valid[r0:r1], cap)
+            lse, row_loss = _pass1_loss(logits, safe[r0:r1], valid[r0:r1], cap)
             del logits
             if want_grad:
                 lse_all[r0:r1] = lse

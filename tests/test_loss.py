@@ -788,6 +788,183 @@ def test_cuda_hf_fused_forward_matches_stock():
         assert rel_err(grads[name], stock_grads[name]) < 1e-3, name
 
 
+# The pass-1 kernel (csrc/softcap_xent.cu, g4ops_kernels.softcap_xent_rows) alone, against fp64, and inside the op.
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _softcap_xent_kernel():
+    """g4ops_kernels.softcap_xent_rows, after building (or loading from the cache) the CUDA kernels."""
+    from g4ops import build_kernels
+
+    build_kernels()
+    return torch.ops.g4ops_kernels.softcap_xent_rows
+
+
+def _xent_rows_oracle(x, safe, valid, row_scale, cap):
+    """The kernel's contract in fp64 from the stored logits `x`: (lse, row_loss, d or None without row_scale), plus
+    for the tolerances the softmax p, the one-hot target and max |z| per row."""
+    x, safe, valid = x.cpu().double(), safe.cpu(), valid.cpu()
+    t = torch.tanh(x / cap) if cap else None
+    z = cap * t if cap else x
+    lse = torch.logsumexp(z, 1)
+    row_loss = torch.where(valid, lse - z.gather(1, safe[:, None]).squeeze(1), 0.0)
+    p = torch.exp(z - lse[:, None])
+    onehot = torch.zeros_like(z)
+    onehot[torch.arange(len(safe)), safe] = valid.double()  # ignored rows: no target
+    d = None
+    if row_scale is not None:
+        d = (p - onehot) * row_scale.cpu().double()[:, None]
+        if cap:
+            d = d * (1 - t * t)
+    return lse, row_loss, d, p, onehot, z.abs().amax(1)
+
+
+def _ulp(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of `dtype` at |a| (fp64 in, fp64 out); the subnormal spacing below the normals."""
+    fi = torch.finfo(dtype)
+    return torch.exp2(torch.floor(torch.log2(a.abs().clamp_min(fi.smallest_normal)))) * fi.eps
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("with_grad", [False, True])
+@pytest.mark.parametrize("cap", [30.0, 0.0])
+@pytest.mark.parametrize("n,v,offset", [(37, 1031, 0), (3, 262147, 0), (5, 4096, 0), (6, 4096, 3)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_softcap_xent_kernel_vs_fp64(dtype, n, v, offset, cap, with_grad):
+    """The kernel against fp64 on fresh random logits: odd vocabularies (rows start off 16-byte boundaries: scalar
+    head and tail around the vectors), 4096 (vectors only) and a sliced view (row stride v + 8, every row 3 elements
+    off); a large logit planted in each row's first, middle or last element (an element missed or counted twice
+    moves lse), labels on the first and the last word, ignored rows. lse and the loss within a few fp32 roundings of
+    the logits' size; d in the logits dtype within one rounding of fp64 plus the fp32 math's error; without
+    row_scale nothing written, with it nothing outside the view."""
+    kernel = _softcap_xent_kernel()
+    gen = torch.Generator().manual_seed(1000 * n + v + 10 * offset + int(cap))
+    width = v + 8 if offset else v
+    vals = torch.randn(n, width, generator=gen, dtype=torch.float64) * (8.0 if cap else 4.0)
+    for r in range(n):
+        vals[r, offset + (0, v // 2, v - 1)[r % 3]] = 45.0 if cap else 20.0
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[0], labels[1] = 0, v - 1
+    valid = torch.rand(n, generator=gen) > 0.25
+    valid[:2] = True
+    valid[-1] = False
+    safe = torch.where(valid, labels, 0)
+    row_scale = valid.float() * (1.0 / valid.sum().float())  # what loss.py passes (fp32): 1/#valid or 0
+    buf = vals.to(dtype).cuda()
+    before = buf.clone()
+    x = buf[:, offset:offset + v]
+    assert x.stride() == (width, 1)
+    lse, row_loss = kernel(x, safe.cuda(), valid.cuda(), row_scale.cuda() if with_grad else None, cap)
+    ref_lse, ref_loss, ref_d, p, onehot, zmax = _xent_rows_oracle(
+        before[:, offset:offset + v], safe, valid, row_scale if with_grad else None, cap
+    )
+    assert lse.dtype == row_loss.dtype == torch.float32 and lse.shape == row_loss.shape == (n,)
+    tol = 64 * EPS32 * (1 + zmax)
+    assert ((lse.cpu().double() - ref_lse).abs() <= tol).all()
+    assert ((row_loss.cpu().double() - ref_loss).abs() <= tol).all()
+    assert (row_loss.cpu()[~valid] == 0).all()
+    if not with_grad:
+        assert torch.equal(buf, before)  # read only
+        return
+    assert torch.equal(buf[:, :offset], before[:, :offset])
+    assert torch.equal(buf[:, offset + v:], before[:, offset + v:])
+    d = buf[:, offset:offset + v].cpu().double()
+    fp32_err = 32 * EPS32 * row_scale.double()[:, None] * (p * (1 + zmax[:, None]) + (p - onehot).abs())
+    allowed = _ulp(ref_d, dtype) + fp32_err + 4 * torch.finfo(torch.float32).smallest_normal * EPS32
+    excess = (d - ref_d).abs() - allowed
+    assert (excess <= 0).all(), f"{int((excess > 0).sum())} elements off; worst by {excess.max().item():.3g}"
+    assert (d[~valid] == 0).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_softcap_xent_kernel_empty_input():
+    lse, row_loss = _softcap_xent_kernel()(torch.empty(0, 7, device="cuda", dtype=torch.bfloat16),
+                                           torch.empty(0, dtype=torch.long, device="cuda"),
+                                           torch.empty(0, dtype=torch.bool, device="cuda"), None, 30.0)  # fmt: skip
+    assert lse.shape == row_loss.shape == (0,)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("case", ["dtype", "last_dim", "row_scale"])
+def test_cuda_softcap_xent_kernel_bad_inputs(case):
+    kernel = _softcap_xent_kernel()
+    x = torch.randn(4, 9, device="cuda")
+    safe = torch.zeros(4, dtype=torch.long, device="cuda")
+    valid = torch.ones(4, dtype=torch.bool, device="cuda")
+    exc, match, args = {
+        "dtype": (TypeError, "logits", (x.double(), safe, valid, None, 30.0)),
+        "last_dim": (RuntimeError, "contiguous last dim", (torch.randn(9, 4, device="cuda").t(), safe, valid, None,
+                                                           30.0)),
+        "row_scale": (RuntimeError, "row_scale", (x, safe, valid, torch.ones(3, device="cuda"), 30.0)),
+    }[case]
+    with pytest.raises(exc, match=match):
+        kernel(*args)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_loss_runs_the_softcap_xent_kernel(monkeypatch):
+    """On CUDA the op's pass 1 calls the kernel once per chunk: with row_scale (d written in place) in cases (a) and
+    (b), without it in case (c) and without gradients; results as with the kernel turned off (same GEMMs, the
+    helpers' math eagerly) and near the fp64 oracle."""
+    kernel = _softcap_xent_kernel()
+    monkeypatch.setattr(loss_mod, "_LOSS_KERNEL", True)  # opt-in (G4OPS_LOSS_KERNEL=1) until timed
+    calls = []
+
+    def counting(logits, safe, valid, row_scale, cap):
+        calls.append(row_scale is not None)
+        return kernel(logits, safe, valid, row_scale, cap)
+
+    monkeypatch.setattr(torch.ops.g4ops_kernels, "softcap_xent_rows", counting)
+    monkeypatch.setattr(loss_mod, "_LOSS_COMPILE", "0")  # what remains of the helpers runs eagerly: no compile
+    usable = loss_mod._kernel_usable
+    hidden, weight, labels = make_inputs(PATH_N, PATH_H, PATH_V, seed=26)
+    hidden = hidden * 3  # logits of order 10-30: the softcap matters
+    ref = oracle_with_grads(hidden, weight, labels, 30.0, grad_output=0.37)
+
+    def run(want_h, want_w, chunk):
+        h = hidden.cuda().requires_grad_(want_h)
+        w = weight.cuda().requires_grad_(want_w)
+        loss = linear_cross_entropy(h, w, labels.cuda(), 30.0, chunk_size=chunk)
+        if want_h or want_w:
+            (loss * 0.37).backward()
+        return loss.detach(), h.grad, w.grad
+
+    chunks = -(-PATH_N // 8)
+    cases = [
+        ((True, False, 8), [True] * chunks),  # (a): d from every chunk
+        ((True, True, 0), [True]),  # (b): one chunk of every row
+        ((True, True, 8), [False] * chunks),  # (c): pass 1 only; pass 2 keeps _block_grad
+        ((False, False, 0), [False]),  # no gradient
+    ]
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # fp32 GEMMs without TF32, whatever ran before
+    try:
+        for args, expected in cases:
+            monkeypatch.setattr(loss_mod, "_kernel_usable", lambda logits: False)
+            calls.clear()
+            without = run(*args)
+            assert calls == []
+            monkeypatch.setattr(loss_mod, "_kernel_usable", usable)
+            got = run(*args)
+            assert calls == expected, args
+            for g, w, r in zip(got, without, ref):
+                assert (g is None) == (w is None)
+                if g is not None:
+                    g, w = g.cpu(), w.cpu()
+                    assert torch.isfinite(g).all()
+                    assert rel_err(g, w) < 1e-5, args
+                    assert rel_err(g, r) < 1e-3, args  # the oracle's gradients carry the 0.37, its loss does not
+            if args[0]:
+                assert torch.all(got[1].cpu()[labels == IGNORE] == 0)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
 def test_hf_fused_forward_conditional_generation():
     """Gemma4ForConditionalGeneration (what AutoModelForCausalLM loads for the released checkpoints), text only."""
     transformers = pytest.importorskip("transformers")
