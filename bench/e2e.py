@@ -37,6 +37,9 @@ Parts (`--parts`, comma-separated; default all):
           q/k/v/o/gate/up/down with the base weights frozen, instead of a full finetune (name the `--json` file
           with "lora"). The g4ops rows record `lora_mlp_fallback`: empty when every MLP runs g4ops' fused LoRA
           path (g4ops/lora.py), else why not.
+          `--compile-mode reduce-overhead`: the *-compile variants replay each step from CUDA graphs (Inductor's
+          graph trees; the step marks its start with torch.compiler.cudagraph_mark_step_begin); rows record
+          `cudagraph_skips`, the graphs Inductor left uncaptured (TORCH_LOGS=perf_hints says why).
           `--grad-ckpt`: transformers' gradient checkpointing on every variant (use_reentrant=False); with long
           `--seqs`, the longest sequence that trains is the longest row without "OOM".
           `--layout`: `single` (one sequence of `--seqs` tokens, the default), `padded` (a batch of 4 sequences

@@ -104,10 +104,13 @@ def graph_decode_case(model, batch: int, new_tokens: int, top: int) -> dict:
     return dict(wall_us=replay_us, gpu_busy_us=busy_us, launches=launches, top=rows)
 
 
-def train_case(model, batch: dict, compiled: bool):
-    fwd = torch.compile(model) if compiled else model
+def train_case(model, batch: dict, compiled: bool, compile_mode: str = "default"):
+    fwd = torch.compile(model, mode=compile_mode) if compiled else model
+    graphed = compiled and compile_mode == "reduce-overhead"
 
     def step():
+        if graphed:  # a new iteration for Inductor's CUDA graph trees (bench/e2e.py does the same)
+            torch.compiler.cudagraph_mark_step_begin()
         loss = fwd(**batch).loss
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -125,6 +128,8 @@ def main():
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--variants", default="stock,g4ops")
     parser.add_argument("--train-modes", default="eager,compiled", help="train: eager, compiled or both")
+    parser.add_argument("--compile-mode", default="default", choices=["default", "reduce-overhead"],
+                        help="train, compiled: torch.compile mode (reduce-overhead: the step replays CUDA graphs)")
     parser.add_argument("--lora", type=int, default=0, metavar="R",
                         help="train: peft LoRA of rank R on every projection (bench/e2e.py's setup), both variants")
     parser.add_argument("--attention", action="store_true", help="g4ops variant: enable(model, attention=True)")
@@ -167,8 +172,8 @@ def main():
                 batch, _ = train_batch(batch_args, tokens)
                 for mode in args.train_modes.split(","):
                     torch._dynamo.reset()
-                    r = _profile(train_case(trained, batch, mode == "compiled"), steps=3, top=args.top,
-                                 host_top=args.host_top)
+                    r = _profile(train_case(trained, batch, mode == "compiled", args.compile_mode), steps=3,
+                                 top=args.top, host_top=args.host_top)
                     results[f"{variant}{lora} train {tokens} {args.layout} {mode}"] = r
             trained.eval()
             del trained
