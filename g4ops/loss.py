@@ -39,7 +39,8 @@ three cases that applies:
       accumulator, rounded once at the end).
 (a) and (b) issue one logits GEMM fewer than (c) (2 resp. 3 GEMMs of [tokens x vocab x hidden] instead of 3 resp. 4)
 and skip one elementwise pass over the logits: at E4B's shape (vocab 262144, hidden 2560, 2048 tokens) a GEMM is
-2.75 TFLOP, so the expected saving is ~4 ms per step on an H200 (expected, not measured). (c) keeps two passes
+2.75 TFLOP, ~4 ms on an H200: a graphed 42-layer LoRA step went from 135.3 to 130.2 ms with this change
+(bench/results/2026-12-04-h200-session23.md; separate calls). (c) keeps two passes
 where one pass would need to sum the weight gradient over token chunks, in the weight dtype with one rounding per
 chunk, or in an fp32 [V, H] accumulator (2.7 GB at E4B's vocabulary); (c) needs neither and rounds the weight
 gradient once. (b) and (c) give the same gradients up to the GEMMs' own summation order.
