@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import g4ops.loss
+from attention import time_ms  # bench/attention.py: this script's own directory is on sys.path
 
 _GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default}
 
@@ -39,26 +39,6 @@ class _GemmShapes(TorchDispatchMode):
             a, b = args[:2] if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out) else args[1:3]
             self.shapes.append((a.shape[0], a.shape[1], b.shape[1]))
         return func(*args, **(kwargs or {}))
-
-
-def _time(fn, device: str, repeats: int) -> float:
-    """Median seconds of fn() over `repeats` calls after two warm-ups."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def bench(rows: int, vocab: int, hidden: int, trained: bool, device: str, dtype, repeats: int) -> dict:
@@ -86,7 +66,7 @@ def bench(rows: int, vocab: int, hidden: int, trained: bool, device: str, dtype,
         for a, b in operands:
             torch.mm(a, b)
 
-    op_s, gemm_s = _time(op, device, repeats), _time(gemms, device, repeats)
+    op_s, gemm_s = (time_ms(fn, repeats, device == "cuda") / 1e3 for fn in (op, gemms))
     flops = sum(2 * m * k * n for m, k, n in rec.shapes)
     return dict(rows=rows, vocab=vocab, hidden=hidden, weight_grad=trained, op_ms=op_s * 1e3, gemm_ms=gemm_s * 1e3,
                 beyond_gemms_ms=(op_s - gemm_s) * 1e3, gemms=len(rec.shapes), gemm_tflop=flops / 1e12,

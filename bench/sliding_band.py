@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
+from attention import time_ms  # bench/attention.py: this script's own directory is on sys.path
 
 
 def _flash_fwd(q, k, v, scale):
@@ -156,25 +156,6 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _time(fn, device, repeats):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
 def run(n, heads, kv_heads, dim, window, device, dtype, repeats, variants):
     gen = torch.Generator(device="cpu").manual_seed(n)
     q, k, v = ((torch.randn(1, h, n, dim, generator=gen) * 0.5).to(device, dtype)
@@ -212,7 +193,7 @@ def run(n, heads, kv_heads, dim, window, device, dtype, repeats, variants):
         try:
             out = step()
             errors = [_rel(got, want) for got, want in zip([out.detach()] + [t.grad for t in leaves], refs)]
-            ms = _time(step, device, repeats)
+            ms = time_ms(step, repeats, device == "cuda")
         except Exception as exc:  # noqa: BLE001 - a variant that cannot run says why; the others still run
             rows.append(dict(variant=name, seq=n, error=f"{type(exc).__name__}: {exc}"[:300]))
             print(f"seq={n:6d} {name:14s} error: {rows[-1]['error']}", flush=True)
