@@ -31,7 +31,7 @@ import json
 import time
 
 import torch
-from attention import time_ms  # bench/attention.py: this script's own directory is on sys.path
+from attention import rel_err, time_ms  # bench/attention.py: this script's own directory is on sys.path
 
 
 def _flash_fwd(q, k, v, scale):
@@ -152,10 +152,6 @@ def reference(q, k, v, scale, window):
     return torch.softmax(s, -1) @ v
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def run(n, heads, kv_heads, dim, window, device, dtype, repeats, variants):
     gen = torch.Generator(device="cpu").manual_seed(n)
     q, k, v = ((torch.randn(1, h, n, dim, generator=gen) * 0.5).to(device, dtype)
@@ -192,7 +188,7 @@ def run(n, heads, kv_heads, dim, window, device, dtype, repeats, variants):
 
         try:
             out = step()
-            errors = [_rel(got, want) for got, want in zip([out.detach()] + [t.grad for t in leaves], refs)]
+            errors = [rel_err(got, want) for got, want in zip([out.detach()] + [t.grad for t in leaves], refs)]
             ms = time_ms(step, repeats, device == "cuda")
         except Exception as exc:  # noqa: BLE001 - a variant that cannot run says why; the others still run
             rows.append(dict(variant=name, seq=n, error=f"{type(exc).__name__}: {exc}"[:300]))
