@@ -445,6 +445,12 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
             if args.lora:
                 state["model"] = model = lora_model(model, args.lora)
                 common["lora_r"] = args.lora
+                if use_g4ops and args.lora_attention == "g4ops":  # after peft: its attention projections' layers
+                    g4ops.enable(model)  # now exist, and enable(model) routes them to g4ops.lora_linear
+                if use_g4ops:
+                    common["lora_linear_projections"] = sum(
+                        hasattr(getattr(vars(m).get("forward"), "__func__", None), g4ops.lora.LINEAR_FORWARD_MARK)
+                        for m in model.modules())  # fmt: skip
                 if use_g4ops:  # asked outside the compiled step, whose trace does not log
                     mlps = [m for m in model.modules() if type(m).__name__ == "Gemma4TextMLP"]
                     common["lora_mlp_fallback"] = sorted({g4ops.lora.fallback_reason(m) for m in mlps} - {None})
@@ -782,6 +788,9 @@ def parse_args(argv=None):
                     help="train: one sequence, 4 sequences padded into a batch, or the same 4 packed in one row")
     ap.add_argument("--g4ops-attention", action="store_true",
                     help="train: the g4ops variants also run g4ops attention (enable(model, attention=True))")
+    ap.add_argument("--lora-attention", choices=["g4ops", "peft"], default="g4ops",
+                    help="--lora, g4ops variants: the attention projections' LoRA layers through g4ops.lora_linear "
+                         "(enable(model) after peft wraps them) or peft's own forward")
     ap.add_argument("--sliding", choices=["flex", "stock"], default="flex",
                     help="with --g4ops-attention, compiled on CUDA: sliding layers on FlexAttention or stock SDPA")
     ap.add_argument("--lora", type=int, default=0, metavar="R",

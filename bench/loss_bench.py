@@ -8,8 +8,8 @@ weight gradient too: a full finetune), it reports the median time of `g4ops::lin
 the vocabulary-wide GEMMs alone that the op issues (counted by a dispatch mode over one call, then replayed as bare
 `torch.mm`s of the same shapes), so the difference is what the op spends beyond its matrix products: the softcap,
 logsumexp and softmax passes over the logits and the gradient's scaling and casts. bf16 on CUDA, random inputs
-(never zeros); CUDA events, warm-up first. `G4OPS_LOSS_KERNEL=1` times the op with its opt-in CUDA kernel for the
-elementwise part (csrc/softcap_xent.cu; the JSON's meta says which ran).
+(never zeros); CUDA events, warm-up first. `G4OPS_LOSS_KERNEL=0` times the op with Inductor's helpers instead of its
+CUDA kernel for the elementwise part (csrc/softcap_xent.cu; the JSON's meta says which ran).
 """
 
 from __future__ import annotations

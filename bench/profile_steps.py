@@ -163,6 +163,8 @@ def main():
                 from e2e import lora_model  # bench/ is on sys.path when this script runs
 
                 trained = lora_model(model, args.lora)
+                if variant == "g4ops":
+                    g4ops.enable(trained)  # after peft: routes the attention projections to g4ops.lora_linear
             trained.train()
             lora = f" lora r{args.lora}" if args.lora else ""
             from e2e import train_batch  # bench/ is on sys.path when this script runs

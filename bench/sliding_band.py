@@ -116,7 +116,8 @@ class _BandFlash(torch.autograd.Function):
         dq_a, dk_a, dv_a = _flash_bwd(_as_batch(_blocks(grad_out, w)), qa, ka, va, _as_batch(_blocks(out, w)),
                                       lse_blocks.permute(0, 2, 1, 3).reshape(b * nb, h, w).contiguous(), saved_a,
                                       scale)  # fmt: skip
-        dq, dk, dv = (_from_batch(t, b).float().reshape(b, h, n, d).contiguous() for t in (dq_a, dk_a, dv_a))
+        # dk, dv keep the kv heads they came with (fewer than q's when flash took the groups itself)
+        dq, dk, dv = (_from_batch(t, b).float().reshape(b, -1, n, d).contiguous() for t in (dq_a, dk_a, dv_a))
         if nb > 1:
             qb, kb, vb = part_b
             lse_b = lse_blocks[:, :, 1:, : w - 1].flip(3).permute(0, 2, 1, 3).reshape(b * (nb - 1), h, w - 1)
@@ -128,10 +129,12 @@ class _BandFlash(torch.autograd.Function):
         return dq.to(qa.dtype), dk.to(qa.dtype), dv.to(qa.dtype), None, None
 
 
-def band_attention(q, k, v, scale: float, window: int):
-    """softmax(scale q k^T + band) v, query p seeing keys (p - window, p]; q [B, Hq, L, D], k/v [B, Hkv, L, D]."""
+def band_attention(q, k, v, scale: float, window: int, repeat_kv: bool = True):
+    """softmax(scale q k^T + band) v, query p seeing keys (p - window, p]; q [B, Hq, L, D], k/v [B, Hkv, L, D].
+    repeat_kv=False hands the kv heads to the flash kernel as they are (CUDA's flash kernel groups query heads
+    itself; the CPU one does not)."""
     groups = q.shape[1] // k.shape[1]
-    if groups > 1:  # transformers' repeat_kv order; autograd sums the kv gradient back over the group
+    if groups > 1 and repeat_kv:  # transformers' repeat_kv order; autograd sums the kv gradient back over the group
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     if q.shape[2] % window:
         raise ValueError(f"sliding_band prototype: length {q.shape[2]} is not a multiple of the window {window}")
@@ -166,6 +169,8 @@ def run(n, heads, kv_heads, dim, window, device, dtype, repeats, variants):
     def make(name):
         if name == "band":
             return lambda a, b, c: band_attention(a, b, c, scale, window)
+        if name == "band-gqa":
+            return lambda a, b, c: band_attention(a, b, c, scale, window, repeat_kv=False)
         if name == "flex-compiled":
             from g4ops.attention import sliding_window_attention
 
@@ -211,7 +216,7 @@ def main(argv=None):
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--variants", default="band,flex-compiled,sdpa-mask")
+    ap.add_argument("--variants", default="band,band-gqa,flex-compiled,sdpa-mask")
     ap.add_argument("--smoke", action="store_true", help="tiny fp32 shapes: the algorithm against fp64, in seconds")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -833,6 +833,8 @@ def enable(model: nn.Module | None = None, attention: bool = False, decode: bool
         if isinstance(module, tuple(_text_model_classes(hf))) and _sort_layer_types_of_module(module):
             _instance_patches.append(weakref.ref(module))
             patched_modules.append(module)
+        if isinstance(module, hf.Gemma4TextAttention):
+            patched_modules += _route_projection_lora(module)
         # isinstance, not type equality: FSDP2's fully_shard turns a module's class into a generated subclass.
         cls = next((c for c in table if isinstance(module, c)), None)
         if cls is None or "forward" in vars(module) or cls in _class_patches:
@@ -844,6 +846,27 @@ def enable(model: nn.Module | None = None, attention: bool = False, decode: bool
         patched_modules.append(module)
     patched_modules = list(dict.fromkeys(patched_modules))  # the model itself may have both patches
     return _Patches([], patched_modules, _switch_attention(model, hf) if attention else [], registered)
+
+
+_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _route_projection_lora(attention: nn.Module) -> list[nn.Module]:
+    """Give each peft lora.Linear among the attention's projections g4ops.lora's forward (`make_linear_forward`):
+    the module calls inside stock Gemma4TextAttention.forward then run `g4ops::lora_linear`. Only through
+    enable(model): a class-wide enable() cannot see which peft layers sit in a Gemma-4 attention."""
+    routed = []
+    for name in _ATTENTION_PROJECTIONS:
+        proj = getattr(attention, name, None)
+        if proj is None or not lora.is_plain_lora_linear(proj) or "forward" in vars(proj):
+            continue
+        peft_forward = type(proj).forward
+        forward = lora.make_linear_forward(peft_forward, _is_plain_linear, _is_plain_tensor)
+        setattr(forward, _MARK, peft_forward)  # what _unpatch_module recognizes and removes
+        proj.forward = types.MethodType(forward, proj)
+        _instance_patches.append(weakref.ref(proj))
+        routed.append(proj)
+    return routed
 
 
 def disable(model: nn.Module | None = None) -> None:

@@ -89,6 +89,7 @@ _lib = torch.library.Library(ops.NAMESPACE, "FRAGMENT")
 _ADAPTER_ARGS = (
     "Tensor[] lora_a, Tensor[] lora_b, float[] scaling, int[3] counts, float[] dropout, Tensor[] dropout_mask"
 )
+_LINEAR_ADAPTER_ARGS = "Tensor[] lora_a, Tensor[] lora_b, float[] scaling, float[] dropout, Tensor[] dropout_mask"
 _SCHEMAS = {
     # lora_a/lora_b/scaling/dropout: the adapters of gate_proj (counts[0] of them), then up_proj's, then down_proj's.
     # dropout_mask: one bool mask (True = kept) of the adapter's input shape per adapter whose dropout p is > 0.
@@ -101,6 +102,13 @@ _SCHEMAS = {
         "lora_geglu_mlp_backward(Tensor grad_out, Tensor x, Tensor gate, Tensor up, Tensor w_gate, Tensor w_up,"
         f" Tensor w_down, {_ADAPTER_ARGS}, Tensor[] lora_mid, bool[4] output_mask, bool[] lora_mask)"
         " -> (Tensor, Tensor, Tensor, Tensor, Tensor[], Tensor[])"
+    ),
+    # One projection (attention's q/k/v/o): its adapters, all of them on `weight`.
+    "lora_linear": f"lora_linear(Tensor x, Tensor weight, {_LINEAR_ADAPTER_ARGS}) -> Tensor",
+    "lora_linear_forward": f"lora_linear_forward(Tensor x, Tensor weight, {_LINEAR_ADAPTER_ARGS}) -> (Tensor, Tensor[])",
+    "lora_linear_backward": (
+        f"lora_linear_backward(Tensor grad_out, Tensor x, Tensor weight, {_LINEAR_ADAPTER_ARGS}, Tensor[] lora_mid,"
+        " bool[2] output_mask, bool[] lora_mask) -> (Tensor, Tensor, Tensor[], Tensor[])"
     ),
 }
 for _schema in _SCHEMAS.values():
@@ -120,12 +128,33 @@ def _check_adapters(op, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts
         lambda: f"g4ops.{op}: `counts` must be 3 adapter counts >= 0 (gate, up, down), got {list(counts)}",
     )
     n = sum(counts)
-    for name, seq in (("lora_a", lora_a), ("lora_b", lora_b), ("scaling", scaling), ("dropout", dropout)):
-        ops._check(
-            len(seq) == n, lambda: f"g4ops.{op}: `{name}` has {len(seq)} entries but `counts` sums to {n}"
-        )
+    ops._check(len(lora_a) == n, lambda: f"g4ops.{op}: `lora_a` has {len(lora_a)} entries but `counts` sums to {n}")
     hidden, inter = x.shape[-1], w_gate.shape[0]
     dims = [(hidden, inter)] * (counts[0] + counts[1]) + [(inter, hidden)] * counts[2]
+    _check_adapter_list(op, x, lora_a, lora_b, scaling, dropout, dropout_mask, dims)
+
+
+def _check_linear(op, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
+    ops._check_floating("x", x)
+    ops._check_floating("weight", weight)
+    ops._check(x.dim() >= 1, lambda: f"g4ops.{op}: `x` must have at least one dimension")
+    ops._check(
+        weight.dim() == 2 and weight.shape[1] == x.shape[-1],
+        lambda: f"g4ops.{op}: `weight` must be [out, {x.shape[-1]}] (nn.Linear's layout), got {list(weight.shape)}",
+    )
+    ops._check_type(weight.dtype == x.dtype, lambda: f"g4ops.{op}: `weight` is {weight.dtype} but `x` is {x.dtype}")
+    ops._check_same_device(op, x=x, weight=weight)
+    dims = [(x.shape[-1], weight.shape[0])] * len(lora_a)
+    _check_adapter_list(op, x, lora_a, lora_b, scaling, dropout, dropout_mask, dims)
+
+
+def _check_adapter_list(op, x, lora_a, lora_b, scaling, dropout, dropout_mask, dims):
+    """The adapters: adapter i maps dims[i] = (fan_in, fan_out), its input having x's leading shape."""
+    n = len(dims)
+    for name, seq in (("lora_a", lora_a), ("lora_b", lora_b), ("scaling", scaling), ("dropout", dropout)):
+        ops._check(
+            len(seq) == n, lambda: f"g4ops.{op}: `{name}` has {len(seq)} entries, `lora_a` {n}"
+        )
     for i, (a, b, (fan_in, fan_out)) in enumerate(zip(lora_a, lora_b, dims)):
         ops._check_floating(f"lora_a[{i}]", a)
         ops._check(
@@ -167,6 +196,11 @@ def _check_backward(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b,
         ops._check_floating(name, t)
         ops._check_shape(op, name, t, shape, "the MLP's" if name == "grad_out" else "x @ w_gate.T")
         ops._check_same_device(op, x=x, **{name: t})
+    _check_mids(op, x, lora_a, lora_mid, lora_mask)
+
+
+def _check_mids(op, x, lora_a, lora_mid, lora_mask):
+    """A backward's saved [T, r] products A_a(z_a) and its per-adapter gradient mask (dA's, then dB's)."""
     ops._check(
         len(lora_mid) == len(lora_a) and len(lora_mask) == 2 * len(lora_a),
         lambda: f"g4ops.{op}: `lora_mid` must have one entry per adapter ({len(lora_a)}) and `lora_mask` two, got "
@@ -432,9 +466,13 @@ def _backward_fake(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, 
                    dropout_mask, lora_mid, output_mask, lora_mask):  # fmt: skip
     _check_backward(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout,
                     dropout_mask, lora_mid, output_mask, lora_mask)  # fmt: skip
+    return _grad_fakes(x, (x, w_gate, w_up, w_down), output_mask, lora_a, lora_b, lora_mask)
+
+
+def _grad_fakes(x, inputs, output_mask, lora_a, lora_b, lora_mask):
+    """A backward's fake outputs: each input's gradient (or an empty tensor where not wanted), then dA's and dB's."""
     n = len(lora_a)
-    base = [t.new_empty(t.shape) if wanted else x.new_empty(0)
-            for t, wanted in zip((x, w_gate, w_up, w_down), output_mask)]  # fmt: skip
+    base = [t.new_empty(t.shape) if wanted else x.new_empty(0) for t, wanted in zip(inputs, output_mask)]
     grad_a = [a.new_empty(a.shape) if wanted else a.new_empty(0) for a, wanted in zip(lora_a, lora_mask[:n])]
     grad_b = [b.new_empty(b.shape) if wanted else b.new_empty(0) for b, wanted in zip(lora_b, lora_mask[n:])]
     return (*base, grad_a, grad_b)
@@ -533,15 +571,8 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
     shape) in peft's order. Weights in nn.Linear layout, no bias. Eager: the op `g4ops::lora_geglu_mlp`; inside an
     outer torch.compile trace: its math, traced into the caller's graph."""
     groups = (gate_adapters, up_adapters, down_adapters)
-    entries = [entry for group in groups for entry in group]
-    for i, entry in enumerate(entries):
-        if len(entry) not in (3, 5):
-            raise ValueError(f"g4ops.lora_geglu_mlp: adapter {i} must be (A, B, scale) or (A, B, scale, p, mask), "
-                             f"got {len(entry)} items")  # fmt: skip
-    lora_a, lora_b = [e[0] for e in entries], [e[1] for e in entries]
-    scaling, counts = [float(e[2]) for e in entries], [len(g) for g in groups]
-    dropout = [float(e[3]) if len(e) == 5 else 0.0 for e in entries]
-    masks = [e[4] for e, p in zip(entries, dropout) if p != 0.0]
+    lora_a, lora_b, scaling, dropout, masks = _adapter_lists([e for group in groups for e in group], "lora_geglu_mlp")
+    counts = [len(g) for g in groups]
     if not (TRACE_UNDER_COMPILE and torch.compiler.is_compiling()):
         return torch.ops.g4ops.lora_geglu_mlp(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks)
     # inside an outer compile: the math into its graph, no per-call host cost (module docstring)
@@ -549,6 +580,185 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_gate, w_up, w_down, *lora_a, *lora_b)):
         return _TracedLoraGeglu.apply(scaling, counts, dropout, x, w_gate, w_up, w_down, *lora_a, *lora_b, *masks)
     return lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks)[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One projection: a peft lora.Linear outside the MLP (attention's q/k/v/o_proj), as `g4ops::lora_linear`.
+#
+# The same formula, per projection, as the MLP's (module docstring), with the same helpers: y = x W^T plus the
+# adapters (`_with_adapters`); dx = dY W + sum_a d_a(u_a A_a) summed in fp32 and rounded once (peft rounds each
+# adapter's term to x's dtype and then adds); dA, dB as above; no dW unless the base weight requires grad. Why an op:
+# peft runs an fp32 adapter of a bf16 model as fp32 GEMMs on an fp32 copy of x, on FFMA units: in a graphed 4-layer
+# E4B LoRA step on the H200 (2026-12-04, session 24) those were 1.9 of 21.4 ms of GPU time, nearly all in the four
+# attention projections once the MLP's products ran split (`_split_mm`, which this op uses too).
+
+
+def lora_linear_forward_math(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
+    return _with_adapters(F.linear(x, weight), x, lora_a, lora_b, scaling, _per_adapter_masks(dropout, dropout_mask))
+
+
+def lora_linear_backward_math(grad_out, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, lora_mid,
+                              output_mask, lora_mask):  # fmt: skip
+    n = len(lora_a)
+    drops = _per_adapter_masks(dropout, dropout_mask)
+    acc = reference.accumulation_dtype(x.dtype)
+    lora_x, us, grad_b = _low_rank_grads(grad_out, lora_a, lora_b, scaling, drops, lora_mid, lora_mask[n:], acc)
+    grad_a = _a_grads(us, x, lora_a, drops, lora_mask[:n])
+    if output_mask[0]:
+        grad_x = F.linear(grad_out, weight.t())
+        if lora_x is not None:
+            grad_x = (grad_x.to(acc) + lora_x).to(x.dtype)
+        grad_x = grad_x.contiguous()
+    else:
+        grad_x = x.new_empty(0)
+    grad_w = _rows(grad_out).t() @ _rows(x) if output_mask[1] else x.new_empty(0)
+    return grad_x, grad_w, grad_a, grad_b
+
+
+def _linear_op_kernel(*args):
+    _check_linear("lora_linear", *args)
+    return _contiguous(_fused(lora_linear_forward_math, *args)[0])
+
+
+def _linear_forward_kernel(*args):
+    _check_linear("lora_linear_forward", *args)
+    return _contiguous(_fused(lora_linear_forward_math, *args))
+
+
+def _check_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, lora_mid,
+                           output_mask, lora_mask):  # fmt: skip
+    op = "lora_linear_backward"
+    _check_linear(op, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask)
+    ops._check_floating("grad_out", grad_out)
+    ops._check_shape(op, "grad_out", grad_out, (*x.shape[:-1], weight.shape[0]), "x @ weight.T")
+    _check_mids(op, x, lora_a, lora_mid, lora_mask)
+
+
+def _linear_backward_kernel(*args):
+    _check_linear_backward(*args)
+    return _contiguous(_fused(lora_linear_backward_math, *args))
+
+
+_lib.impl("lora_linear", _linear_op_kernel, "CompositeExplicitAutograd")
+_lib.impl("lora_linear_forward", _linear_forward_kernel, "CompositeExplicitAutograd")
+_lib.impl("lora_linear_backward", _linear_backward_kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("g4ops::lora_linear", lib=_lib)
+def _linear_op_fake(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
+    _check_linear("lora_linear", x, weight, lora_a, lora_b, scaling, dropout, dropout_mask)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("g4ops::lora_linear_forward", lib=_lib)
+def _linear_forward_fake(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
+    _check_linear("lora_linear_forward", x, weight, lora_a, lora_b, scaling, dropout, dropout_mask)
+    mids = [a.new_empty(shape) for a, shape in zip(lora_a, _mid_shapes(x, lora_a))]
+    return x.new_empty((*x.shape[:-1], weight.shape[0])), mids
+
+
+@torch.library.register_fake("g4ops::lora_linear_backward", lib=_lib)
+def _linear_backward_fake(grad_out, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, lora_mid,
+                          output_mask, lora_mask):  # fmt: skip
+    _check_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, lora_mid,
+                           output_mask, lora_mask)  # fmt: skip
+    return _grad_fakes(x, (x, weight), output_mask, lora_a, lora_b, lora_mask)
+
+
+def _linear_save(ctx, forward, scaling, dropout, x, weight, tensors):
+    """The forward of both autograd formulas (`forward`: the op or its math): saves x, the weights, the masks and
+    the [T, r] products A_a(z_a)."""
+    n = len(scaling)
+    lora_a, lora_b, masks = list(tensors[:n]), list(tensors[n : 2 * n]), list(tensors[2 * n :])
+    out, mids = forward(x, weight, lora_a, lora_b, scaling, dropout, masks)
+    ctx.save_for_backward(x, weight, *tensors, *mids)
+    ctx.lists, ctx.n, ctx.masks = (scaling, dropout), n, len(masks)
+    return out
+
+
+def _linear_grads(ctx, backward, grad_out):
+    n, n_masks = ctx.n, ctx.masks
+    x, weight, *rest = ctx.saved_tensors
+    lora_a, lora_b = list(rest[:n]), list(rest[n : 2 * n])
+    masks, mids = list(rest[2 * n : 2 * n + n_masks]), list(rest[2 * n + n_masks :])
+    scaling, dropout = ctx.lists
+    wanted = list(ctx.needs_input_grad[2 : 4 + 2 * n])  # x, weight and the adapters (never the masks)
+    grads = backward(grad_out.contiguous(), x, weight, lora_a, lora_b, scaling, dropout, masks, mids, wanted[:2],
+                     wanted[2:])  # fmt: skip
+    flat = [*grads[:2], *grads[2], *grads[3]]
+    return None, None, *(g if want else None for g, want in zip(flat, wanted)), *([None] * n_masks)
+
+
+class _LoraLinearFunction(torch.autograd.Function):
+    """`g4ops::lora_linear`'s autograd formula, eager: its steps are the opaque ops. Inputs after the two lists: x,
+    the weight, the n lora_a, the n lora_b, then the dropout masks."""
+
+    @staticmethod
+    def forward(ctx, scaling, dropout, x, weight, *tensors):
+        return _linear_save(ctx, torch.ops.g4ops.lora_linear_forward, scaling, dropout, x, weight, tensors)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        return _linear_grads(ctx, torch.ops.g4ops.lora_linear_backward, grad_out)
+
+
+class _TracedLoraLinear(torch.autograd.Function):
+    """The same formula for an outer torch.compile to trace, as `_TracedLoraGeglu`."""
+
+    @staticmethod
+    def forward(ctx, scaling, dropout, x, weight, *tensors):
+        return _linear_save(ctx, lora_linear_forward_math, scaling, dropout, x, weight, tensors).clone()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return _linear_grads(ctx, lora_linear_backward_math, grad_out)
+
+
+def _linear_op_autograd(keyset, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *lora_a, *lora_b)):
+        return _LoraLinearFunction.apply(list(scaling), list(dropout), x, weight, *lora_a, *lora_b, *dropout_mask)
+    return torch.ops.g4ops.lora_linear.default.redispatch(keyset & _BELOW_AUTOGRAD, x, weight, lora_a, lora_b,
+                                                          scaling, dropout, dropout_mask)  # fmt: skip
+
+
+_lib.impl("lora_linear", _linear_op_autograd, "Autograd", with_keyset=True)
+for _name in ("lora_linear_forward", "lora_linear_backward"):
+    _lib.impl(_name, ops._internal_op_autograd(_name), "Autograd", with_keyset=True)
+
+
+@getattr(torch._dynamo, "nonstrict_trace", lambda fn: fn)
+def _check_linear_traced(x, *args):
+    """`_check_traced` for the single projection."""
+    _check_linear("lora_linear", x, *args)
+    return x.new_empty(0)
+
+
+def _adapter_lists(entries, op: str):
+    """(lora_a, lora_b, scaling, dropout, masks) from (A, B, scale) or (A, B, scale, p, keep-mask) entries."""
+    for i, entry in enumerate(entries):
+        if len(entry) not in (3, 5):
+            raise ValueError(f"g4ops.{op}: adapter {i} must be (A, B, scale) or (A, B, scale, p, mask), "
+                             f"got {len(entry)} items")  # fmt: skip
+    lora_a, lora_b = [e[0] for e in entries], [e[1] for e in entries]
+    scaling = [float(e[2]) for e in entries]
+    dropout = [float(e[3]) if len(e) == 5 else 0.0 for e in entries]
+    masks = [e[4] for e, p in zip(entries, dropout) if p != 0.0]
+    return lora_a, lora_b, scaling, dropout, masks
+
+
+def lora_linear(x, weight, adapters=()) -> torch.Tensor:
+    """peft's lora.Linear forward for a bias-free base weight ([out, in]) and its active adapters, each (A [r, in],
+    B [out, r], scale) or (A, B, scale, dropout p, bool keep-mask of x's shape) in peft's order. Eager: the op
+    `g4ops::lora_linear`; inside an outer torch.compile trace: its math, traced into the caller's graph (as
+    `lora_geglu_mlp`)."""
+    lora_a, lora_b, scaling, dropout, masks = _adapter_lists(adapters, "lora_linear")
+    if not (TRACE_UNDER_COMPILE and torch.compiler.is_compiling()):
+        return torch.ops.g4ops.lora_linear(x, weight, lora_a, lora_b, scaling, dropout, masks)
+    _check_linear_traced(x, weight, lora_a, lora_b, scaling, dropout, masks)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *lora_a, *lora_b)):
+        return _TracedLoraLinear.apply(scaling, dropout, x, weight, *lora_a, *lora_b, *masks)
+    return lora_linear_forward_math(x, weight, lora_a, lora_b, scaling, dropout, masks)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -560,16 +770,18 @@ def is_peft_lora_layer(module) -> bool:
     return hasattr(module, "base_layer") and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
 
 
-def _is_plain_lora_linear(module) -> bool:
+def is_plain_lora_linear(module) -> bool:
     cls = type(module)  # the exact class: peft's quantized LoRA layers are other classes of other modules
     return cls.__name__ == "Linear" and cls.__module__ == "peft.tuners.lora.layer"
 
 
 def projection_terms(layer, is_plain_linear, x_dtype):
     """(base weight, [(A, B, scale)]) for a peft lora.Linear the fused path reproduces, else a str: why not."""
-    if not _is_plain_lora_linear(layer):
+    if not is_plain_lora_linear(layer):
         return f"{type(layer).__module__}.{type(layer).__name__} is not peft's plain lora.Linear (quantized base?)"
-    if "forward" in vars(layer) or layer._forward_hooks or layer._forward_pre_hooks:
+    own = vars(layer).get("forward")
+    ours = hasattr(getattr(own, "__func__", None), LINEAR_FORWARD_MARK)
+    if (own is not None and not ours) or layer._forward_hooks or layer._forward_pre_hooks:
         return "the peft layer has hooks or its own forward (e.g. peft's mixed-batch adapter_names)"
     base = layer.get_base_layer()
     if not is_plain_linear(base):
@@ -614,11 +826,11 @@ def projection_terms(layer, is_plain_linear, x_dtype):
 _logged: set = set()
 
 
-def _explain(reason: str) -> None:
+def _explain(reason: str, what: str = "a Gemma4TextMLP keeps peft's forward (not g4ops' fused LoRA MLP)") -> None:
     # Logging inside a compiled region would break the graph: eager calls say it (`fallback_reason` answers anytime).
-    if not torch.compiler.is_compiling() and reason not in _logged:
-        _logged.add(reason)
-        logger.info("g4ops: a Gemma4TextMLP keeps peft's forward (not g4ops' fused LoRA MLP): %s", reason)
+    if not torch.compiler.is_compiling() and (what, reason) not in _logged:
+        _logged.add((what, reason))
+        logger.info("g4ops: %s: %s", what, reason)
 
 
 def _plan(mlp: nn.Module, x_dtype, device_type: str, is_plain_linear):
@@ -667,6 +879,35 @@ def geglu_mlp(mlp: nn.Module, x: torch.Tensor, is_plain_linear):
         for group, shape in zip(groups, shapes)
     ]
     return lora_geglu_mlp(x, *weights, *drawn)
+
+
+LINEAR_FORWARD_MARK = "_g4ops_lora_linear"  # on the forward `make_linear_forward` builds
+
+
+def make_linear_forward(peft_forward, is_plain_linear, is_plain_tensor):
+    """The forward integration puts on a peft lora.Linear projection of a Gemma-4 attention (enable(model)): the
+    layer through `lora_linear` where `projection_terms` says the op reproduces peft, else `peft_forward` (peft's
+    class forward), the reason logged once. Merged, disabled or inactive adapters: peft's forward, which then runs
+    the base layer alone."""
+
+    def forward(self, x, *args, **kwargs):
+        if args or kwargs or not is_plain_tensor(x):  # peft's extra arguments (adapter_names, ...)
+            return peft_forward(self, x, *args, **kwargs)
+        terms = ("torch.autocast is on (the fused LoRA path has no autocast rule)"
+                 if torch.is_autocast_enabled(x.device.type) else projection_terms(self, is_plain_linear, x.dtype))  # fmt: skip
+        if isinstance(terms, str):
+            _explain(terms, "a Gemma-4 attention projection keeps peft's forward (not g4ops.lora_linear)")
+            return peft_forward(self, x)
+        weight, adapters = terms
+        if not adapters:
+            return peft_forward(self, x)
+        # dropout masks drawn as peft draws them (see geglu_mlp): per adapter, in its dtype, of x's shape
+        drawn = [(a, b, s) if p == 0.0 else (a, b, s, p, _keep_mask(x.shape, a.dtype, x.device, p))
+                 for a, b, s, p in adapters]  # fmt: skip
+        return lora_linear(x, weight, drawn)
+
+    setattr(forward, LINEAR_FORWARD_MARK, True)
+    return forward
 
 
 def _keep_mask(shape, dtype, device, p: float) -> torch.Tensor:

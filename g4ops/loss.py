@@ -23,8 +23,8 @@ Semantics (what HF transformers computes for Gemma-4 with `labels`, written out 
 layout [V, H] (the tied embedding), `labels` is an integer tensor of shape hidden.shape[:-1]. The loss is a 0-d
 fp32 tensor (fp64 for fp64 inputs), like HF's `logits.float()` loss.
 
-Algorithm: pass 1 walks chunks of tokens; each chunk's logits come from one GEMM, and a fused helper (with
-G4OPS_LOSS_KERNEL=1 on CUDA a hand-written kernel, see Kernels) turns them into each row's logsumexp and loss. In
+Algorithm: pass 1 walks chunks of tokens; each chunk's logits come from one GEMM, and a fused helper (on CUDA a
+hand-written kernel, see Kernels) turns them into each row's logsumexp and loss. In
 training, d loss / d logits = (softmax - onehot) * (1 - tanh^2) * row scale feeds the gradients by the first of
 three cases that applies:
   (a) no weight gradient wanted (a frozen tied embedding, as in LoRA finetuning), any number of tokens: the helper
@@ -45,14 +45,14 @@ where one pass would need to sum the weight gradient over token chunks, in the w
 chunk, or in an fp32 [V, H] accumulator (2.7 GB at E4B's vocabulary); (c) needs neither and rounds the weight
 gradient once. (b) and (c) give the same gradients up to the GEMMs' own summation order.
 
-Kernels (opt-in, G4OPS_LOSS_KERNEL=1): on CUDA with fp16/bf16/fp32 inputs, pass 1's helper (logsumexp and loss per
-row) and, in cases (a) and (b), the one-pass helper (those plus d) run as one hand-written kernel per chunk
-(csrc/softcap_xent.cu, the internal op g4ops_kernels.softcap_xent_rows; `_kernel_usable` decides): one CTA per row
-reads the row once for its logsumexp and, for d, once more (from its end, the likeliest to still be in L2) to write
-d over the chunk's logits in place. Why: at E4B's shape on an H200 (bf16, 2048 tokens) the Inductor helpers took
-3.2 to 6.2 ms of the op beyond its GEMMs (bench/loss_bench.py, two sessions), where reading and writing the logits
-once takes ~0.8 ms. Opt-in because its speed has not been measured yet (its CUDA tests against fp64 pass on the
-H200, 2026-12-04). Case (c)'s pass-2 helper, the backward's scaling, fp64 and CPU keep the helpers.
+Kernels (default on CUDA; G4OPS_LOSS_KERNEL=0 turns it off): with fp16/bf16/fp32 inputs, pass 1's helper (logsumexp
+and loss per row) and, in cases (a) and (b), the one-pass helper (those plus d) run as one hand-written kernel per
+chunk (csrc/softcap_xent.cu, the internal op g4ops_kernels.softcap_xent_rows; `_kernel_usable` decides): one CTA per
+row reads the row once for its logsumexp and, for d, once more (from its end, the likeliest to still be in L2) to
+write d over the chunk's logits in place. Measured on an H200 (bf16, E4B's vocabulary, bench/loss_bench.py, one call
+each, 2026-12-04 session 24): the op beyond its GEMMs took 1.6 / 1.9 ms with the kernel against 3.2 / 2.8 ms with
+the Inductor helpers at 2048 tokens (frozen / trained weight), 4.6 / 11.1 against 8.8 / 13.8 ms at 8192. Case (c)'s
+pass-2 helper, the backward's scaling, fp64 and CPU keep the helpers.
 
 Numerics: each chunk's logits come from one GEMM in the input dtype (fp32 accumulation inside cuBLAS / the CPU
 BLAS, one rounding: exactly stock's `lm_head` output); the softcap, logsumexp, softmax and the softcap derivative
@@ -287,9 +287,8 @@ def _run_fused(fn, *args):
                         "g4ops.linear_cross_entropy: torch.compile of its elementwise part")  # fmt: skip
 
 
-# Pass 1 on CUDA (fp16/bf16/fp32) through csrc/softcap_xent.cu with G4OPS_LOSS_KERNEL=1 (module docstring,
-# Kernels: opt-in until a GPU run times it against the Inductor helpers).
-_LOSS_KERNEL = os.environ.get("G4OPS_LOSS_KERNEL") == "1"
+# Pass 1 on CUDA (fp16/bf16/fp32) through csrc/softcap_xent.cu unless G4OPS_LOSS_KERNEL=0 (module docstring, Kernels).
+_LOSS_KERNEL = os.environ.get("G4OPS_LOSS_KERNEL") != "0"
 
 
 def _kernel_usable(logits: torch.Tensor) -> bool:

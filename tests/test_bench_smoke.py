@@ -59,6 +59,18 @@ def test_e2e_train_with_g4ops_attention(tmp_path):
     assert rows["g4ops"]["loss_matches_stock"] is True and rows["g4ops"]["tok_s"] > 0
 
 
+def test_e2e_lora_rows_route_the_attention_projections(tmp_path):
+    """--lora: the g4ops row's attention projections run g4ops.lora_linear (enable(model) after peft wraps them), its
+    MLPs the fused LoRA MLP, and its loss matches stock peft's."""
+    out = tmp_path / "e2e.json"
+    _run(["bench/e2e.py", "--device", "cpu", "--shape", "tiny-e4b", "--smoke", "--parts", "train", "--variants",
+          "stock,g4ops", "--optimizers", "none", "--lora", "2", "--json", str(out)], tmp_path)  # fmt: skip
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["train"]}
+    g4 = rows["g4ops"]
+    assert g4["lora_linear_projections"] > 0 and g4["lora_mlp_fallback"] == [], g4
+    assert g4["loss_matches_stock"] is True and "error" not in rows["stock"], rows
+
+
 def test_e2e_train_with_gradient_checkpointing(tmp_path):
     """--grad-ckpt (the longest-sequence search) turns checkpointing on in every variant's model; losses still agree."""
     out = tmp_path / "e2e.json"

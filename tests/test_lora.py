@@ -529,8 +529,8 @@ def test_compiled_fullgraph_has_no_graph_breaks_and_matches_eager(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("attention", [False, True], ids=["sdpa", "g4ops-attention"])
 def test_tiny_model_lora_on_all_projections_matches_stock(device, attention):
-    """The attention projections are module calls inside Gemma4TextAttention, so peft's forward runs them with
-    g4ops enabled, also with g4ops' attention (enable(model, attention=True)) around them."""
+    """The attention projections are module calls inside Gemma4TextAttention: enable(model) gives their peft layers
+    g4ops' forward (`g4ops::lora_linear`, tests/test_lora_linear.py); the class-wide enable() leaves them to peft."""
     base = build_model("tiny-e4b").to(device)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
@@ -557,6 +557,11 @@ def test_tiny_model_lora_on_all_projections_matches_stock(device, attention):
     used = implementations[-1]
     layers = base.config.num_hidden_layers
     assert all(calls.get(op) == layers for op in FUSED_TRAIN), calls
+    projections = sum(lora.is_peft_lora_layer(getattr(layer.self_attn, name, None))
+                      for layer in base.model.layers for name in ("q_proj", "k_proj", "v_proj", "o_proj"))  # fmt: skip
+    assert projections > 2 * layers  # KV-shared layers have no k/v_proj
+    linear = ("g4ops.lora_linear_forward.default", "g4ops.lora_linear_backward.default")
+    assert all(calls.get(op) == (projections if attention else None) for op in linear), calls
     assert used == ("g4ops" if attention else "sdpa")
     assert base.config._attn_implementation == "sdpa"  # the switch was undone
     assert abs(loss1.item() - loss0.item()) <= _fp32_tol(base.config.vocab_size) * abs(loss0.item())

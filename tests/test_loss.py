@@ -912,7 +912,7 @@ def test_cuda_loss_runs_the_softcap_xent_kernel(monkeypatch):
     (b), without it in case (c) and without gradients; results as with the kernel turned off (same GEMMs, the
     helpers' math eagerly) and near the fp64 oracle."""
     kernel = _softcap_xent_kernel()
-    monkeypatch.setattr(loss_mod, "_LOSS_KERNEL", True)  # opt-in (G4OPS_LOSS_KERNEL=1) until timed
+    monkeypatch.setattr(loss_mod, "_LOSS_KERNEL", True)  # the default, unless G4OPS_LOSS_KERNEL=0 in the environment
     calls = []
 
     def counting(logits, safe, valid, row_scale, cap):
