@@ -26,9 +26,12 @@ namespace g4ops {
 
 // ---------------------------------------------------------------------------------------------------------------
 // Input checks. G4OPS_CHECK is TORCH_CHECK that throws the c10::Error at the call site (C10_THROW_ERROR, as
-// TORCH_CHECK_TYPE does) instead of through c10::detail::torchCheckFail. On the H200 image (torch 2.11, nvcc 13.0,
-// 2026-11-29) every TORCH_CHECK that failed inside these nvcc-compiled launchers crashed the process (SIGSEGV),
-// while TORCH_CHECK_TYPE failures raised TypeError normally; the cause was not established there.
+// TORCH_CHECK_TYPE does) instead of through c10::detail::torchCheckFail. On the H200 image (torch 2.11, nvcc 13.0)
+// a failed TORCH_CHECK inside these nvcc-compiled launchers crashed the process (SIGSEGV, 2026-11-29), and so does a
+// failed G4OPS_CHECK (2026-12-04: softcap_xent_rows with non-contiguous logits, alone in a six-line script), while
+// TORCH_CHECK_TYPE failures raise TypeError normally; the cause is not established. So every argument a user or
+// g4ops can get wrong is checked in Python before the op (g4ops/ops.py, g4ops/loss.py's softcap_xent_rows), and
+// these checks only guard the pointer arithmetic.
 #define G4OPS_CHECK(cond, ...) TORCH_CHECK_WITH(Error, cond, __VA_ARGS__)
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -775,13 +775,14 @@ def is_plain_lora_linear(module) -> bool:
     return cls.__name__ == "Linear" and cls.__module__ == "peft.tuners.lora.layer"
 
 
-def projection_terms(layer, is_plain_linear, x_dtype):
-    """(base weight, [(A, B, scale)]) for a peft lora.Linear the fused path reproduces, else a str: why not."""
+def projection_terms(layer, is_plain_linear, x_dtype, from_our_forward: bool = False):
+    """(base weight, [(A, B, scale)]) for a peft lora.Linear the fused path reproduces, else a str: why not.
+    `from_our_forward`: called from the forward `make_linear_forward` put on the layer, which is then the layer's own
+    forward by construction (read from the layer while Dynamo traces, its marker did not show, measured on the H200)."""
     if not is_plain_lora_linear(layer):
         return f"{type(layer).__module__}.{type(layer).__name__} is not peft's plain lora.Linear (quantized base?)"
-    own = vars(layer).get("forward")
-    ours = hasattr(getattr(own, "__func__", None), LINEAR_FORWARD_MARK)
-    if (own is not None and not ours) or layer._forward_hooks or layer._forward_pre_hooks:
+    foreign_forward = "forward" in vars(layer) and not from_our_forward
+    if foreign_forward or layer._forward_hooks or layer._forward_pre_hooks:
         return "the peft layer has hooks or its own forward (e.g. peft's mixed-batch adapter_names)"
     base = layer.get_base_layer()
     if not is_plain_linear(base):
@@ -894,7 +895,8 @@ def make_linear_forward(peft_forward, is_plain_linear, is_plain_tensor):
         if args or kwargs or not is_plain_tensor(x):  # peft's extra arguments (adapter_names, ...)
             return peft_forward(self, x, *args, **kwargs)
         terms = ("torch.autocast is on (the fused LoRA path has no autocast rule)"
-                 if torch.is_autocast_enabled(x.device.type) else projection_terms(self, is_plain_linear, x.dtype))  # fmt: skip
+                 if torch.is_autocast_enabled(x.device.type)
+                 else projection_terms(self, is_plain_linear, x.dtype, from_our_forward=True))  # fmt: skip
         if isinstance(terms, str):
             _explain(terms, "a Gemma-4 attention projection keeps peft's forward (not g4ops.lora_linear)")
             return peft_forward(self, x)

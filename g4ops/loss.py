@@ -81,6 +81,7 @@ Double backward is not supported (once_differentiable), like Liger's fused loss.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -302,11 +303,43 @@ def _kernel_usable(logits: torch.Tensor) -> bool:
     return bool(status()["loaded"])
 
 
+def softcap_xent_rows(logits, safe, valid, row_scale, cap: float):
+    """The kernel op `g4ops_kernels.softcap_xent_rows` after its argument checks, which live here, not in C++: on the
+    H200 image (torch 2.11) a failed C++ check (a c10::Error) crashes the process instead of raising
+    (csrc/g4ops_common.cuh). The checks guard the kernel's pointer arithmetic; the device check comes last, so the
+    others run (and are tested) on any device."""
+    name = "g4ops_kernels.softcap_xent_rows"
+    if logits.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"{name}: `logits` must be float16, bfloat16 or float32, got {logits.dtype}")
+    if logits.dim() != 2:
+        raise ValueError(f"{name}: `logits` must be [rows, vocab], got {logits.dim()} dims")
+    n, v = logits.shape
+    if v > 1 and logits.stride(1) != 1:
+        raise ValueError(f"{name}: `logits` must have a contiguous last dim, got its stride {logits.stride(1)}")
+    if n > 1 and logits.stride(0) < v:
+        raise ValueError(f"{name}: the rows of `logits` must not overlap (row stride {logits.stride(0)} < vocab {v})")
+    if n and not v:
+        raise ValueError(f"{name}: `logits` has rows but an empty vocabulary")
+    if not (math.isfinite(cap) and cap >= 0):
+        raise ValueError(f"{name}: `cap` must be finite and >= 0 (0 = no softcap), got {cap}")
+    rows = [("safe", safe, torch.int64), ("valid", valid, torch.bool)]
+    for arg, t, dtype in rows + ([("row_scale", row_scale, torch.float32)] if row_scale is not None else []):
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: `{arg}` must be {dtype}, got {t.dtype}")
+        if tuple(t.shape) != (n,):
+            raise ValueError(f"{name}: `{arg}` must have shape [{n}] (one per row of `logits`), got {list(t.shape)}")
+        if t.device != logits.device:
+            raise ValueError(f"{name}: `{arg}` is on {t.device} but `logits` is on {logits.device}")
+    if not logits.is_cuda:
+        raise ValueError(f"{name}: `logits` must be a CUDA tensor, got one on {logits.device}")
+    return torch.ops.g4ops_kernels.softcap_xent_rows(logits, safe, valid, row_scale, cap)
+
+
 def _pass1_loss(logits: torch.Tensor, safe: torch.Tensor, valid: torch.Tensor, cap: float):
     """`_chunk_loss` of one chunk (logsumexp per row, loss per row): the CUDA kernel where usable (it only reads
     `logits`), else the helper through `_run_fused`."""
     if _kernel_usable(logits):
-        return torch.ops.g4ops_kernels.softcap_xent_rows(logits, safe, valid, None, cap)
+        return softcap_xent_rows(logits, safe, valid, None, cap)
     return _run_fused(_chunk_loss, logits, safe, valid, cap)
 
 
@@ -317,7 +350,7 @@ def _pass1_loss_grad(
     kernel writes d over `logits` and returns that tensor as d: `logits` must be a fresh GEMM output that nothing
     else holds, and the caller must not read it as logits afterwards."""
     if _kernel_usable(logits):
-        lse, row_loss = torch.ops.g4ops_kernels.softcap_xent_rows(logits, safe, valid, row_scale.reshape(-1), cap)
+        lse, row_loss = softcap_xent_rows(logits, safe, valid, row_scale.reshape(-1), cap)
         return lse, row_loss, logits
     return _run_fused(_chunk_loss_grad, logits, safe, valid, row_scale, cap)
 

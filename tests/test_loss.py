@@ -887,22 +887,25 @@ def test_cuda_softcap_xent_kernel_empty_input():
     assert lse.shape == row_loss.shape == (0,)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("case", ["dtype", "last_dim", "row_scale"])
-def test_cuda_softcap_xent_kernel_bad_inputs(case):
-    kernel = _softcap_xent_kernel()
-    x = torch.randn(4, 9, device="cuda")
-    safe = torch.zeros(4, dtype=torch.long, device="cuda")
-    valid = torch.ones(4, dtype=torch.bool, device="cuda")
+@pytest.mark.parametrize("case", ["dtype", "last_dim", "overlap", "cap", "safe_shape", "row_scale_dtype",
+                                  "device"])  # fmt: skip
+def test_softcap_xent_kernel_bad_inputs_are_named(case):
+    """The kernel's argument checks run in Python before the op (g4ops.loss.softcap_xent_rows: a failed C++ check
+    crashes the GPU image's process), so they run here on CPU tensors, the CUDA-only check last."""
+    x = torch.randn(4, 9)
+    safe, valid = torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.bool)
     exc, match, args = {
-        "dtype": (TypeError, "logits", (x.double(), safe, valid, None, 30.0)),
-        "last_dim": (RuntimeError, "contiguous last dim", (torch.randn(9, 4, device="cuda").t(), safe, valid, None,
-                                                           30.0)),
-        "row_scale": (RuntimeError, "row_scale", (x, safe, valid, torch.ones(3, device="cuda"), 30.0)),
+        "dtype": (TypeError, "`logits` must be float16", (x.double(), safe, valid, None, 30.0)),
+        "last_dim": (ValueError, "contiguous last dim", (torch.randn(9, 4).t(), safe, valid, None, 30.0)),
+        "overlap": (ValueError, "must not overlap", (torch.randn(40).as_strided((4, 9), (3, 1)), safe, valid, None, 30.0)),
+        "cap": (ValueError, "`cap` must be finite", (x, safe, valid, None, float("inf"))),
+        "safe_shape": (ValueError, "`safe` must have shape \\[4\\]", (x, safe[:3], valid, None, 30.0)),
+        "row_scale_dtype": (TypeError, "`row_scale` must be torch.float32", (x, safe, valid, torch.ones(4).double(),
+                                                                            30.0)),
+        "device": (ValueError, "must be a CUDA tensor", (x, safe, valid, torch.ones(4), 30.0)),
     }[case]
     with pytest.raises(exc, match=match):
-        kernel(*args)
+        loss_mod.softcap_xent_rows(*args)
 
 
 @pytest.mark.cuda
