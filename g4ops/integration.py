@@ -179,6 +179,8 @@ def _make_decoder_layer_forward(stock_forward):
     params = _layer_params(stock_forward)
 
     def forward(self, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            lora.explain_unrouted_projections(getattr(self, "self_attn", None), _ATTENTION_PROJECTIONS)
         post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
         if (params is None or getattr(self, "enable_moe_block", False) or len(args) > len(params[0])
                 or not (_runs_gemma_norm(post, hf) and _runs_gemma_norm(pre, hf))

@@ -1,4 +1,5 @@
-"""LoRA inside g4ops' Gemma-4 MLP: peft-wrapped gate/up/down projections as one op with low-rank-only gradients.
+"""LoRA inside g4ops' Gemma-4 MLP: peft-wrapped gate/up/down projections as one op with low-rank-only gradients;
+and the same formula for one projection (`g4ops::lora_linear`, attention's q/k/v/o_proj, section "One projection").
 
 peft's `lora.Linear` computes, for each active adapter a with weights A_a [r, in], B_a [out, r] and scale s_a
 (`lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`; peft's own `scaling` dict is read, so `set_scale`
@@ -590,7 +591,9 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
 # adapter's term to x's dtype and then adds); dA, dB as above; no dW unless the base weight requires grad. Why an op:
 # peft runs an fp32 adapter of a bf16 model as fp32 GEMMs on an fp32 copy of x, on FFMA units: in a graphed 4-layer
 # E4B LoRA step on the H200 (2026-12-04, session 24) those were 1.9 of 21.4 ms of GPU time, nearly all in the four
-# attention projections once the MLP's products ran split (`_split_mm`, which this op uses too).
+# attention projections once the MLP's products ran split (`_split_mm`, which this op uses too). With this op (and
+# G4OPS_LORA_SPLIT=1) they fell to about 1.0 ms, the K=r products that stay fp32, and the graphed 42-layer step went
+# from 15444 to 16081 tok/s (bench/results/2026-12-04-h200-session24.md).
 
 
 def lora_linear_forward_math(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
@@ -910,6 +913,21 @@ def make_linear_forward(peft_forward, is_plain_linear, is_plain_tensor):
 
     setattr(forward, LINEAR_FORWARD_MARK, True)
     return forward
+
+
+def explain_unrouted_projections(attention, names) -> None:
+    """Say once (INFO, "g4ops" logger) when an attention's projections are peft LoRA layers without the forward
+    `make_linear_forward` builds: they run peft's forward, because only enable(model) called after peft wrapped them
+    routes them (integration's `_route_projection_lora`). Eager calls only (the caller checks)."""
+    if attention is None or "unrouted" in _logged:
+        return
+    for name in names:
+        proj = getattr(attention, name, None)
+        if proj is not None and is_plain_lora_linear(proj) and "forward" not in vars(proj):
+            _logged.add("unrouted")
+            logger.info("g4ops: the Gemma-4 attention projections with peft LoRA run peft's forward; "
+                        "call g4ops.enable(model) after peft wraps the model to run them as g4ops.lora_linear")
+            return
 
 
 def _keep_mask(shape, dtype, device, p: float) -> torch.Tensor:

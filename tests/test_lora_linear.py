@@ -215,6 +215,25 @@ def test_enable_model_routes_and_disable_restores():
     assert all("forward" not in vars(p) for p in projections) and not g4ops.is_enabled(model)
 
 
+def test_class_wide_enable_says_the_attention_projections_keep_peft(caplog):
+    """enable() without the model cannot see which peft layers sit in an attention: the decoder layer says so once
+    (eager), and enable(model) after peft routes them."""
+    from g4ops.models import build_model
+
+    base = build_model("tiny-e4b")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj", "gate_proj"]))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    caplog.set_level(logging.INFO, logger="g4ops")
+    lora._logged.discard("unrouted")
+    counter = G4opsCalls()
+    with torch.no_grad(), g4ops.enable(), counter:
+        model(ids)
+    assert "call g4ops.enable(model) after peft" in caplog.text and "g4ops.lora_linear.default" not in counter.calls
+    with torch.no_grad(), g4ops.enable(base), counter:
+        model(ids)
+    assert counter.calls["g4ops.lora_linear.default"] == base.config.num_hidden_layers
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The op
 
