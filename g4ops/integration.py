@@ -9,6 +9,9 @@ This is the only module that knows transformers' Gemma-4 class names and quirks 
   A projection replaced by a quantized layer, sharded as a DTensor or hooked by accelerate keeps the stock forward,
   so an adapter is never silently bypassed.
   The double-wide MLP of E2B's KV-shared layers is just a wider weight.
+- peft's plain LoRA layers on a Gemma4TextAttention's q/k/v/o_proj, with `enable(model)` called after peft wrapped
+  them: an instance-level forward that runs `g4ops::lora_linear` (`_route_projection_lora`; the attention's own
+  forward stays stock). The class-wide `enable()` leaves them to peft and the decoder layer says so once.
 - `Gemma4TextDecoderLayer.forward` -> stock's layer code with its middle (post_attention_layernorm, the residual add,
   pre_feedforward_layernorm) as one `g4ops.sandwich_norm`. Only for the signature it knows (5.6 to 5.25: the cache
   argument is `past_key_values` or `cache`), without MoE, and when both norms compute Gemma4RMSNorm unhooked;
