@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import g4ops
-from g4ops import integration
+from g4ops import integration, lora
 from g4ops.models import build_model, tiny_tokenizer
 
 try:
@@ -88,8 +88,21 @@ def _run(make_trainer, with_g4ops: bool):
         g4ops.enable(model, attention=True)
         assert model.config._attn_implementation == integration.ATTENTION
     trainer = make_trainer(model)
+    if with_g4ops:  # after the trainer wrapped the model (TRL applies peft_config): what a LoRA user calls
+        g4ops.enable(trainer.model)
+        _assert_attention_lora_routed(trainer.model)
     trainer.train()
     return trainer, _curve(trainer)
+
+
+def _assert_attention_lora_routed(model) -> None:
+    """Every peft LoRA layer on an attention projection runs g4ops.lora_linear (g4ops/lora.py)."""
+    layers = [getattr(m, name) for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"
+              for name in integration._ATTENTION_PROJECTIONS if lora.is_peft_lora_layer(getattr(m, name, None))]  # fmt: skip
+    routed = [p for p in layers if hasattr(getattr(vars(p).get("forward"), "__func__", None), lora.LINEAR_FORWARD_MARK)]
+    if any(lora.is_peft_lora_layer(m) for m in model.modules()):  # a LoRA run: its attention has adapters
+        assert layers, "no peft LoRA layer found on the attention projections"
+    assert len(routed) == len(layers), f"{len(layers) - len(routed)} of {len(layers)} attention LoRA layers on peft"
 
 
 def _assert_same_curve(stock: list[float], ours: list[float]) -> None:
@@ -158,14 +171,15 @@ def _sft(tmp_path, packing: bool, peft_config=None, **extra):
 
 def test_trl_sft_lora_packed(tmp_path):
     """TRL SFTTrainer with a peft LoRA adapter on attention and MLP projections, packing=True (bfd into padding-free
-    rows: position_ids restart, no attention_mask), gradient accumulation and checkpointing; the saved adapter loads
-    onto a fresh stock base model."""
+    rows: position_ids restart, no attention_mask), gradient accumulation and checkpointing; the attention projections'
+    adapters run g4ops.lora_linear (`_run` enables the wrapped model); the saved adapter loads onto a fresh stock base
+    model."""
     pytest.importorskip("trl")
     from peft import LoraConfig, PeftModel
 
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                           "gate_proj", "up_proj", "down_proj"])  # fmt: skip
-    ids, trained = _train_like_stock_and_save(_sft(tmp_path, packing=True, peft_config=lora), tmp_path / "adapter")
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                             "gate_proj", "up_proj", "down_proj"])  # fmt: skip
+    ids, trained = _train_like_stock_and_save(_sft(tmp_path, packing=True, peft_config=config), tmp_path / "adapter")
     base = copy.deepcopy(_built())  # the same base weights, never patched
     fresh = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
     assert not g4ops.is_enabled() and not g4ops.is_enabled(fresh)
