@@ -566,6 +566,19 @@ def _check_traced(x, *args):
     return x.new_empty(0)  # unused (dead code to the compiler): nonstrict_trace refuses None
 
 
+def _adapter_lists(entries, op: str):
+    """(lora_a, lora_b, scaling, dropout, masks) from (A, B, scale) or (A, B, scale, p, keep-mask) entries."""
+    for i, entry in enumerate(entries):
+        if len(entry) not in (3, 5):
+            raise ValueError(f"g4ops.{op}: adapter {i} must be (A, B, scale) or (A, B, scale, p, mask), "
+                             f"got {len(entry)} items")  # fmt: skip
+    lora_a, lora_b = [e[0] for e in entries], [e[1] for e in entries]
+    scaling = [float(e[2]) for e in entries]
+    dropout = [float(e[3]) if len(e) == 5 else 0.0 for e in entries]
+    masks = [e[4] for e, p in zip(entries, dropout) if p != 0.0]
+    return lora_a, lora_b, scaling, dropout, masks
+
+
 def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), down_adapters=()) -> torch.Tensor:
     """The Gemma-4 MLP with vanilla LoRA adapters on its projections (module docstring): each `*_adapters` is a
     sequence of (A [r, in], B [out, r], scale) or (A, B, scale, dropout p, bool keep-mask of the adapter's input
@@ -735,19 +748,6 @@ def _check_linear_traced(x, *args):
     """`_check_traced` for the single projection."""
     _check_linear("lora_linear", x, *args)
     return x.new_empty(0)
-
-
-def _adapter_lists(entries, op: str):
-    """(lora_a, lora_b, scaling, dropout, masks) from (A, B, scale) or (A, B, scale, p, keep-mask) entries."""
-    for i, entry in enumerate(entries):
-        if len(entry) not in (3, 5):
-            raise ValueError(f"g4ops.{op}: adapter {i} must be (A, B, scale) or (A, B, scale, p, mask), "
-                             f"got {len(entry)} items")  # fmt: skip
-    lora_a, lora_b = [e[0] for e in entries], [e[1] for e in entries]
-    scaling = [float(e[2]) for e in entries]
-    dropout = [float(e[3]) if len(e) == 5 else 0.0 for e in entries]
-    masks = [e[4] for e, p in zip(entries, dropout) if p != 0.0]
-    return lora_a, lora_b, scaling, dropout, masks
 
 
 def lora_linear(x, weight, adapters=()) -> torch.Tensor:
