@@ -878,11 +878,7 @@ def geglu_mlp(mlp: nn.Module, x: torch.Tensor, is_plain_linear):
     # dtype and the shape of its input, by ATen's dropout (the same generator calls: the same masks).
     inter = weights[0].shape[0]
     shapes = (x.shape, x.shape, (*x.shape[:-1], inter))
-    drawn = [
-        [(a, b, s) if p == 0.0 else (a, b, s, p, _keep_mask(shape, a.dtype, x.device, p)) for a, b, s, p in group]
-        for group, shape in zip(groups, shapes)
-    ]
-    return lora_geglu_mlp(x, *weights, *drawn)
+    return lora_geglu_mlp(x, *weights, *(_with_masks(group, shape, x.device) for group, shape in zip(groups, shapes)))
 
 
 LINEAR_FORWARD_MARK = "_g4ops_lora_linear"  # on the forward `make_linear_forward` builds
@@ -906,10 +902,7 @@ def make_linear_forward(peft_forward, is_plain_linear, is_plain_tensor):
         weight, adapters = terms
         if not adapters:
             return peft_forward(self, x)
-        # dropout masks drawn as peft draws them (see geglu_mlp): per adapter, in its dtype, of x's shape
-        drawn = [(a, b, s) if p == 0.0 else (a, b, s, p, _keep_mask(x.shape, a.dtype, x.device, p))
-                 for a, b, s, p in adapters]  # fmt: skip
-        return lora_linear(x, weight, drawn)
+        return lora_linear(x, weight, _with_masks(adapters, x.shape, x.device))  # masks as peft draws them
 
     setattr(forward, LINEAR_FORWARD_MARK, True)
     return forward
@@ -928,6 +921,12 @@ def explain_unrouted_projections(attention, names) -> None:
             logger.info("g4ops: the Gemma-4 attention projections with peft LoRA run peft's forward; "
                         "call g4ops.enable(model) after peft wraps the model to run them as g4ops.lora_linear")
             return
+
+
+def _with_masks(adapters, shape, device) -> list[tuple]:
+    """One projection's (A, B, scale, p) adapters as the ops take them: (A, B, scale) where p == 0, else with p and a
+    keep-mask of the adapter input's `shape`, drawn in adapter order and dtype (`_keep_mask`)."""
+    return [(a, b, s) if p == 0.0 else (a, b, s, p, _keep_mask(shape, a.dtype, device, p)) for a, b, s, p in adapters]
 
 
 def _keep_mask(shape, dtype, device, p: float) -> torch.Tensor:
