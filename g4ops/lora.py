@@ -37,8 +37,11 @@ between them (the low-rank adds and casts, dropout masks, the GeGLU product and 
 makes about a dozen full-size fp32 passes per MLP backward. csrc's GeGLU kernels do not fit: geglu_mlp_backward
 computes dh from the base down weight alone and returns no dgate/dup, which the adapter gradients need, and its
 forward kernel alone (`gelu_tanh_mul`, run in eager mode when the compiled path is off) has no fake kernel to compile
-through. With G4OPS_LORA_SPLIT=1, fp32 adapters of a bf16 model take their products over tokens and features on bf16
-tensor cores, exactly split (`_split_mm`; opt-in, `SPLIT_DEVICES` says why).
+through. With G4OPS_LORA_SPLIT=1, fp32 adapters of a bf16 model take their products on bf16 tensor cores, the fp32
+operands split exactly into bf16 parts (`_split_mm`; opt-in, `SPLIT_DEVICES` says why), and the K=r products that
+land in a bf16 output (B's in y, A's in dz) fold into one GEMM that adds them to the base GEMM's bf16 output and
+rounds once (`_plus_low_rank`). y then has peft's roundings; in dz the base GEMM's output is rounded to bf16 before
+the adapters' terms are added, as peft does (the path without split sums them in fp32).
 
 Inside an outer torch.compile (`torch.compiler.is_compiling()` in `lora_geglu_mlp`) there is no opaque op: the
 same two math functions run as a torch.autograd.Function (`_TracedLoraGeglu`, the op's formula without its ops),
@@ -279,8 +282,35 @@ def _split_mm(a, b):
     return p[:, :n] + p[:, n : 2 * n] + p[:, 2 * n :]
 
 
+def _split_pairs(left, right):
+    """(L, R) in bf16, [m, 9r] and [n, 9r], with L @ R^T == left @ right^T for fp32 left [m, r] and right [n, r] up to
+    the order of an fp32 sum: the nine products of their bf16 parts (`_bf16_parts`), each exact in fp32."""
+    left_parts, right_parts = _bf16_parts(left), _bf16_parts(right)
+    return (torch.cat([p for p in left_parts for _ in range(3)], 1), torch.cat(right_parts * 3, 1))
+
+
+def _addmm_rounded(c, a, b):
+    """c + a @ b for bf16 matrices, accumulated in fp32 and rounded once to bf16: cuBLAS's bf16 GEMM adds c (beta=1)
+    to its fp32 accumulator; elsewhere the same math in fp32."""
+    if c.is_cuda:
+        return torch.addmm(c, a, b)
+    return (c.float() + a.float() @ b.float()).to(c.dtype)
+
+
+def _plus_low_rank(out, pairs):
+    """bf16 `out` [..., n] + sum of left @ right^T over `pairs` of fp32 left [..., r] and right [n, r], rounded once
+    to bf16, in one bf16 GEMM (`_split_pairs` side by side, `_addmm_rounded`). The split path's low-rank terms (B's
+    in the forward, A's in the backward's dx) go this way instead of as fp32 GEMMs, whose fp32 [T, n] results are
+    written and read back (84 MB per gate/up term at 2048 tokens)."""
+    if not pairs:
+        return out
+    lefts, rights = zip(*(_split_pairs(_rows(left), right) for left, right in pairs))
+    return _addmm_rounded(_rows(out), torch.cat(lefts, 1), torch.cat(rights, 1).t()).reshape(out.shape)
+
+
 def _with_adapters(base_out, z, lora_a, lora_b, scaling, drops):
-    """peft's `lora.Linear.forward` after the base layer, in its order and dtypes: (y, [A_a(dropout_a(z_a))])."""
+    """peft's `lora.Linear.forward` after the base layer, in its order and dtypes: (y, [A_a(dropout_a(z_a))]).
+    Split (`_splits`): the same sum, with B's products folded into one GEMM that adds them to the base output."""
     y, mids = base_out, []
     source, split = z, _splits(z, lora_a)  # with `split`, every cast below is bf16 -> fp32: exact
     for a, b, s, drop in zip(lora_a, lora_b, scaling, drops):
@@ -290,7 +320,10 @@ def _with_adapters(base_out, z, lora_a, lora_b, scaling, drops):
         else:
             mid = F.linear(_dropped(z, drop), a)
         mids.append(mid.contiguous())
-        y = y + F.linear(mid, b) * s
+        if not split:
+            y = y + F.linear(mid, b) * s
+    if split:
+        return _plus_low_rank(base_out, [(mid, b * s) for mid, b, s in zip(mids, lora_b, scaling)]).contiguous(), mids
     return y.to(base_out.dtype).contiguous(), mids
 
 
@@ -317,8 +350,10 @@ def lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling
 
 def _low_rank_grads(grad_y, lora_a, lora_b, scaling, drops, mids, mask_b, acc):
     """One projection's adapters, the part that needs no input z: (sum_a dropout_a'(u_a @ A_a) in `acc` or None,
-    [u_a], [dB_a]) with u_a = s_a * (dY_a @ B_a) and dB_a = s_a * dY_a^T @ A_a(z_a) (module docstring)."""
-    grad_z, us, grad_b = None, [], []
+    [(u_a, A_a^T)] to fold into dz's base GEMM, [u_a], [dB_a]) with u_a = s_a * (dY_a @ B_a) and
+    dB_a = s_a * dY_a^T @ A_a(z_a) (module docstring). Split (`_splits`), an adapter without dropout goes into the fold
+    list (`_plus_low_rank`) instead of the sum."""
+    grad_z, folds, us, grad_b = None, [], [], []
     split = _splits(grad_y, lora_a)  # dY_a = dY cast to fp32: exact, so the products can read dY itself
     for a, b, s, drop, mid, want_b in zip(lora_a, lora_b, scaling, drops, mids, mask_b):
         if split:
@@ -329,9 +364,12 @@ def _low_rank_grads(grad_y, lora_a, lora_b, scaling, drops, mids, mask_b, acc):
             u = (g @ b) * s
             grad_b.append((_rows(g).t() @ _rows(mid)) * s if want_b else b.new_empty(0))
         us.append(u)
+        if split and drop[1] is None:
+            folds.append((u, a.t()))
+            continue
         term = _dropped(u @ a, drop).to(acc)
         grad_z = term if grad_z is None else grad_z + term
-    return grad_z, us, grad_b
+    return grad_z, folds, us, grad_b
 
 
 def _a_grads(us, z, lora_a, drops, mask_a):
@@ -364,18 +402,19 @@ def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lo
     empty = lambda: x.new_empty(0)  # noqa: E731
 
     # down: dh = grad_out @ W_down + sum_a u_a @ A_a, kept in fp32 into the GeGLU backward, which recomputes h
-    grad_h = F.linear(grad_out, w_down.t())
-    lora_h, down_us, grad_db = _low_rank_grads(grad_out, da, db, ds, dd, dm, dmb, acc)
+    lora_h, down_folds, down_us, grad_db = _low_rank_grads(grad_out, da, db, ds, dd, dm, dmb, acc)
+    grad_h = _plus_low_rank(F.linear(grad_out, w_down.t()), down_folds)
     if lora_h is not None:
         grad_h = grad_h.to(acc) + lora_h
     grad_gate, grad_up, h = reference.gelu_tanh_mul_backward(grad_h, gate, up)
     grad_da = _a_grads(down_us, h, da, dd, dma)
 
-    lora_gx, gate_us, grad_gb = _low_rank_grads(grad_gate, ga, gb, gs, gd, gm, gmb, acc)
-    lora_ux, up_us, grad_ub = _low_rank_grads(grad_up, ua, ub, us, ud, um, umb, acc)
+    lora_gx, gate_folds, gate_us, grad_gb = _low_rank_grads(grad_gate, ga, gb, gs, gd, gm, gmb, acc)
+    lora_ux, up_folds, up_us, grad_ub = _low_rank_grads(grad_up, ua, ub, us, ud, um, umb, acc)
     grad_ga, grad_ua = _a_grads(gate_us, x, ga, gd, gma), _a_grads(up_us, x, ua, ud, uma)
     if output_mask[0]:
-        grad_x = F.linear(grad_gate, w_gate.t()).to(acc) + F.linear(grad_up, w_up.t()).to(acc)
+        grad_x = _plus_low_rank(F.linear(grad_gate, w_gate.t()), gate_folds + up_folds).to(acc)
+        grad_x = grad_x + F.linear(grad_up, w_up.t()).to(acc)
         for term in (lora_gx, lora_ux):
             if term is not None:
                 grad_x = grad_x + term
@@ -600,13 +639,15 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
 # One projection: a peft lora.Linear outside the MLP (attention's q/k/v/o_proj), as `g4ops::lora_linear`.
 #
 # The same formula, per projection, as the MLP's (module docstring), with the same helpers: y = x W^T plus the
-# adapters (`_with_adapters`); dx = dY W + sum_a d_a(u_a A_a) summed in fp32 and rounded once (peft rounds each
-# adapter's term to x's dtype and then adds); dA, dB as above; no dW unless the base weight requires grad. Why an op:
+# adapters (`_with_adapters`); dx = dY W + sum_a d_a(u_a A_a) summed in fp32 and rounded once, or split, dY W
+# rounded first (peft rounds each adapter's term to x's dtype and then adds); dA, dB as above; no dW unless the
+# base weight requires grad. Why an op:
 # peft runs an fp32 adapter of a bf16 model as fp32 GEMMs on an fp32 copy of x, on FFMA units: in a graphed 4-layer
 # E4B LoRA step on the H200 (2026-12-04, session 24) those were 1.9 of 21.4 ms of GPU time, nearly all in the four
 # attention projections once the MLP's products ran split (`_split_mm`, which this op uses too). With this op (and
-# G4OPS_LORA_SPLIT=1) they fell to about 1.0 ms, the K=r products that stay fp32, and the graphed 42-layer step went
-# from 15444 to 16081 tok/s (bench/results/2026-12-04-h200-session24.md).
+# G4OPS_LORA_SPLIT=1) they fell to about 1.0 ms, the K=r products that then stayed fp32 (since folded into the
+# base GEMMs, `_plus_low_rank`, not yet timed), and the graphed 42-layer step went from 15444 to 16081 tok/s
+# (bench/results/2026-12-04-h200-session24.md).
 
 
 def lora_linear_forward_math(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
@@ -618,10 +659,11 @@ def lora_linear_backward_math(grad_out, x, weight, lora_a, lora_b, scaling, drop
     n = len(lora_a)
     drops = _per_adapter_masks(dropout, dropout_mask)
     acc = reference.accumulation_dtype(x.dtype)
-    lora_x, us, grad_b = _low_rank_grads(grad_out, lora_a, lora_b, scaling, drops, lora_mid, lora_mask[n:], acc)
+    lora_x, folds, us, grad_b = _low_rank_grads(grad_out, lora_a, lora_b, scaling, drops, lora_mid, lora_mask[n:],
+                                                acc)  # fmt: skip
     grad_a = _a_grads(us, x, lora_a, drops, lora_mask[:n])
     if output_mask[0]:
-        grad_x = F.linear(grad_out, weight.t())
+        grad_x = _plus_low_rank(F.linear(grad_out, weight.t()), folds)
         if lora_x is not None:
             grad_x = (grad_x.to(acc) + lora_x).to(x.dtype)
         grad_x = grad_x.contiguous()

@@ -166,6 +166,8 @@ def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monke
     split_calls = []
     split_mm = lora._split_mm
     monkeypatch.setattr(lora, "_split_mm", lambda a, b: split_calls.append(1) or split_mm(a, b))
+    folds, fold = [], lora._plus_low_rank  # folds: one entry per call that folds at least one product
+    monkeypatch.setattr(lora, "_plus_low_rank", lambda out, pairs: folds.extend(pairs[:1]) or fold(out, pairs))
     # peft's default (autocast_adapter_dtype=True) keeps a bf16 model's adapters in fp32
     model = _mlp_model(device, BF16).train()
     if not adapter_fp32:
@@ -182,6 +184,8 @@ def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monke
     assert all(ours[3].get(op) == 1 for op in FUSED_TRAIN)
     # per projection: A(x) in the forward; dY @ B, dB and dA in the backward
     assert len(split_calls) == (4 * 3 if split and adapter_fp32 else 0), len(split_calls)
+    # and per projection, B's products in the forward and A's in dx fold into the base GEMMs' outputs
+    assert len(folds) == (3 + 2 if split and adapter_fp32 else 0), len(folds)
     n = TOKENS[0] * TOKENS[1]
     pairs = [("out", ours[0], stock[0], truth[0], INTER), ("grad_x", ours[1], stock[1], truth[1], INTER)]
     pairs += [(name, ours[2][name], stock[2][name], truth[2][name], n) for name in truth[2]]
@@ -223,6 +227,39 @@ def test_split_mm_is_an_fp32_gemm_against_fp64(device, fp32_side):
     # 3x an fp32 GEMM's own error (a reordered fp32 sum); dropping the lo parts would be ~10x (2**-17 per value)
     assert O.rel_err(out, truth) <= 3 * O.rel_err(fp32_gemm, truth), (
         O.rel_err(out, truth), O.rel_err(fp32_gemm, truth))
+
+
+def test_split_pairs_hold_the_exact_product():
+    """The nine bf16 part products sum (in fp64, where each is exact) to the fp32 product itself."""
+    gen = torch.Generator().manual_seed(5)
+    left, right = O.make_tensor((29, 5), F32, gen), O.make_tensor((13, 5), F32, gen)
+    lhs, rhs = lora._split_pairs(left, right)
+    assert lhs.dtype == rhs.dtype == BF16 and lhs.shape == (29, 45) and rhs.shape == (13, 45)
+    truth = left.double() @ right.double().t()
+    assert O.rel_err(lhs.double() @ rhs.double().t(), truth) < 1e-14
+    # hi parts alone would be off by ~2**-9: the parts below them count
+    assert O.rel_err(left.to(BF16).double() @ right.to(BF16).double().t(), truth) > 1e-4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plus_low_rank_rounds_once(device):
+    """bf16 out + two fp32 low-rank products, one of them on strided rows: the exact sum rounded once to bf16, up to
+    an fp32 accumulator's rounding (a result may sit one bf16 ulp off where the exact sum is near a tie)."""
+    gen = torch.Generator().manual_seed(6)
+    t, n = (3, 11), 41
+    out = O.make_tensor((*t, n), BF16, gen, device=device)
+    pairs = [(O.make_tensor((*t, 4), F32, gen, device=device, scale=0.7), O.make_tensor((n, 4), F32, gen,
+                                                                                          device=device)),
+             (O.make_tensor((*t, 2), F32, gen, device=device, layout="sliced"),
+              O.make_tensor((2, n), F32, gen, device=device).t())]  # fmt: skip
+    got = lora._plus_low_rank(out, pairs)
+    assert got.dtype == BF16 and got.shape == out.shape
+    exact = out.double() + sum(left.double() @ right.double().t() for left, right in pairs)
+    rounded = exact.to(BF16)
+    ulp = (rounded.double().abs() * 2.0**-7).clamp_min(2.0**-133)
+    assert ((got.double() - rounded.double()).abs() <= ulp).all()
+    assert (got == rounded).float().mean() > 0.98
+    assert lora._plus_low_rank(out, []) is out
 
 
 # ----------------------------------------------------------------------------------------------------------------

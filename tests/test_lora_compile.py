@@ -9,6 +9,8 @@ mask for mask); one test compiles through Inductor. The holder MLP and helpers a
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -19,12 +21,14 @@ from g4ops.models import build_model
 try:
     from . import oracle as O
     from .devices import DEVICES, one_intra_op_thread  # noqa: F401 - an autouse fixture of this module
-    from .test_lora import F32, HIDDEN, INTER, TOKENS, _add_second_adapter, _fp32_tol, _inputs, _mlp_model, _nothing
+    from .test_lora import BF16, F32, HIDDEN, INTER, TOKENS, _add_second_adapter, _fp32_tol, _inputs, _mlp_model
+    from .test_lora import _nothing
     from .test_lora import _always_disabled, _run  # noqa: F401 - _always_disabled: autouse, g4ops off around each test
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import oracle as O
     from devices import DEVICES, one_intra_op_thread  # noqa: F401 - an autouse fixture of this module
-    from test_lora import F32, HIDDEN, INTER, TOKENS, _add_second_adapter, _fp32_tol, _inputs, _mlp_model, _nothing
+    from test_lora import BF16, F32, HIDDEN, INTER, TOKENS, _add_second_adapter, _fp32_tol, _inputs, _mlp_model
+    from test_lora import _nothing
     from test_lora import _always_disabled, _run  # noqa: F401 - _always_disabled: autouse, g4ops off around each test
 
 peft = pytest.importorskip("peft")
@@ -231,6 +235,25 @@ def test_inductor_compiled_mlp_matches_peft(fresh_dynamo):
     ours = _compiled_run(model, x, grad_out, recorder)
     recorder.assert_traced_math()
     _assert_close_to(stock, ours)
+
+
+def test_inductor_compiled_split_products_no_worse_than_peft(fresh_dynamo, monkeypatch):
+    """The split path (fp32 adapters of a bf16 model on bf16 parts, the low-rank terms folded into the base GEMMs)
+    traced and compiled by Inductor, on CPU: no worse than stock peft against an fp64 oracle."""
+    monkeypatch.setattr(lora, "SPLIT_DEVICES", {"cpu"})
+    model = _mlp_model("cpu", BF16).train()
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {F32}
+    truth = _run(copy.deepcopy(model).double(), *(t.double() for t in _inputs("cpu", BF16)), enabled=False)
+    x, grad_out = _inputs("cpu", BF16)
+    stock = _run(model, x, grad_out, enabled=False)
+    recorder = _Recorder("inductor")
+    ours = _compiled_run(model, x, grad_out, recorder)
+    recorder.assert_traced_math()
+    pairs = [("out", 0, None, INTER), ("grad_x", 1, None, INTER)]
+    pairs += [(name, 2, name, TOKENS[0] * TOKENS[1]) for name in truth[2]]
+    for name, slot, key, k in pairs:
+        ref, st, g4 = ((r[slot] if key is None else r[slot][key]) for r in (truth, stock, ours))
+        O.assert_no_worse_than_stock(name, O.rel_err(g4, ref), O.rel_err(st, ref), O.floor(BF16, k, ref.numel()))
 
 
 def test_bad_input_is_refused_at_trace_time(fresh_dynamo):
