@@ -1,8 +1,9 @@
 """Where does the time go? torch.profiler over E4B-shaped decode steps and training steps, stock vs g4ops.
 
-Prints, per case: wall time per step, GPU busy time per step (sum of kernel times), kernel launches per step, and
-the top kernels by total time. Wall (timed without the profiler) >> GPU busy means the host (Python, launches,
-syncs) is the bottleneck.
+Prints, per case: wall time per step (steps back to back; and the median of steps each synced, as bench/e2e.py
+times them), GPU busy time per step (sum of kernel times), kernel launches per step, and the top kernels by total
+time. Wall (timed without the profiler) >> GPU busy means the host (Python, launches, syncs) is the bottleneck;
+synced wall >> wall means host work before a step's first kernel, which back-to-back steps hide.
 
     python bench/profile_steps.py --layers 12 --parts decode,train --json $OUT/profile.json
     python bench/profile_steps.py --layers 12 --parts graph --batches 1,4   # g4ops.engine.decoder.Decoder's step
@@ -47,12 +48,19 @@ def _profile(fn, steps: int, top: int, host_top: int = 0):
         fn()
     torch.cuda.synchronize()
     wall_us = (time.perf_counter() - start) * 1e6 / steps
+    synced = []  # a sync around each step, as bench/e2e.py times it: host work before the first kernel shows too
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        synced.append(time.perf_counter() - start)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
     busy_us, launches, rows = _kernel_table(prof, steps, top)
-    result = dict(wall_us=wall_us, gpu_busy_us=busy_us, launches=launches, top=rows)
+    result = dict(wall_us=wall_us, wall_synced_us=sorted(synced)[steps // 2] * 1e6, gpu_busy_us=busy_us,
+                  launches=launches, top=rows)
     if host_top:
         import cProfile
         import pstats
@@ -149,7 +157,7 @@ def main():
         if "decode" in parts:
             torch._dynamo.reset()
             r = _profile(decode_case(model, 1, args.new_tokens), steps=2, top=args.top)
-            for k in ("wall_us", "gpu_busy_us", "launches"):
+            for k in ("wall_us", "wall_synced_us", "gpu_busy_us", "launches"):
                 r[k] /= args.new_tokens  # per generated token
             results[f"{variant} decode b1 (per token)"] = r
         if "graph" in parts:
@@ -184,7 +192,8 @@ def main():
         if patches is not None:
             patches.__exit__(None, None, None)
     for name, r in results.items():
-        print(f"\n== {name}: wall {r['wall_us']:.0f} us, GPU busy {r['gpu_busy_us']:.0f} us, "
+        synced = f" ({r['wall_synced_us']:.0f} synced)" if "wall_synced_us" in r else ""
+        print(f"\n== {name}: wall {r['wall_us']:.0f} us{synced}, GPU busy {r['gpu_busy_us']:.0f} us, "
               f"{r['launches']:.0f} kernel launches")
         for key, count, us in r["top"]:
             print(f"   {us:9.1f} us  x{count:6.1f}  {key}")

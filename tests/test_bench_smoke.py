@@ -37,7 +37,8 @@ def test_e2e_smoke(tmp_path):
     train = {(r["variant"], r["optimizer"]): r for r in res["train"]}
     for optimizer in ("none", "adamw", "g4ops-adamw"):
         for variant in ("stock", "g4ops"):
-            assert train[(variant, optimizer)].get("tok_s", 0) > 0, train[(variant, optimizer)]
+            row = train[(variant, optimizer)]
+            assert row.get("tok_s", 0) > 0 and row.get("back_to_back_tok_s", 0) > 0, row
         assert train[("g4ops", optimizer)]["loss_matches_stock"] is True
         assert "tok_s" in train[("liger", optimizer)] or "error" in train[("liger", optimizer)]
     parity = res["parity"]
