@@ -291,9 +291,12 @@ def _split_pairs(left, right):
 
 def _addmm_rounded(c, a, b):
     """c + a @ b for bf16 matrices, accumulated in fp32 and rounded once to bf16: cuBLAS's bf16 GEMM adds c (beta=1)
-    to its fp32 accumulator; elsewhere the same math in fp32."""
+    to its fp32 accumulator; elsewhere the same math in fp32. As a batch-1 baddbmm, not addmm: Inductor may rewrite
+    an addmm whose users are pointwise into mm + add (`unfuse_bias_add_to_pointwise`), rounding the product to bf16
+    before the add; torch 2.13 keeps bf16 addmm fused, older releases need not (pytorch PR 176848), and Inductor
+    neither decomposes nor unfuses baddbmm."""
     if c.is_cuda:
-        return torch.addmm(c, a, b)
+        return torch.baddbmm(c[None], a[None], b[None])[0]
     return (c.float() + a.float() @ b.float()).to(c.dtype)
 
 
