@@ -152,6 +152,23 @@ def correctness(length: int, device) -> list[dict]:
     return rows
 
 
+def measure_fwd_bwd(fn, q, k, v, grad, refs, reps: int, cuda: bool) -> tuple[list[float], float]:
+    """fn(q, k, v) with `grad` as its output's gradient: the relative errors of out, dq, dk, dv against `refs` (the
+    first call, compilation included) and the median fwd+bwd ms. Raises what fn raises."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = fn(*leaves)
+        out.backward(grad)
+        return out
+
+    out = step()
+    errors = [rel_err(got, want) for got, want in zip([out.detach()] + [t.grad for t in leaves], refs)]
+    return errors, time_ms(step, reps, cuda)
+
+
 def time_ms(fn, reps: int, cuda: bool, warmup: int = 3) -> float:
     """Median milliseconds of fn(): CUDA events on a GPU, wall clock on CPU."""
     for _ in range(warmup):

@@ -31,7 +31,7 @@ import json
 import time
 
 import torch
-from attention import rel_err, time_ms  # bench/attention.py: this script's own directory is on sys.path
+from attention import measure_fwd_bwd  # bench/attention.py: this script's own directory is on sys.path
 
 
 def _flash_fwd(q, k, v, scale):
@@ -181,20 +181,8 @@ def run(n, heads, kv_heads, dim, window, device, dtype, repeats, variants):
 
     rows = []
     for name in variants:
-        fn = make(name)
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-
-        def step():
-            for t in leaves:
-                t.grad = None
-            out = fn(*leaves)
-            out.backward(grad)
-            return out
-
         try:
-            out = step()
-            errors = [rel_err(got, want) for got, want in zip([out.detach()] + [t.grad for t in leaves], refs)]
-            ms = time_ms(step, repeats, device == "cuda")
+            errors, ms = measure_fwd_bwd(make(name), q, k, v, grad, refs, repeats, device == "cuda")
         except Exception as exc:  # noqa: BLE001 - a variant that cannot run says why; the others still run
             rows.append(dict(variant=name, seq=n, error=f"{type(exc).__name__}: {exc}"[:300]))
             print(f"seq={n:6d} {name:14s} error: {rows[-1]['error']}", flush=True)

@@ -138,6 +138,15 @@ def test_attention_bench_smoke(tmp_path):
     assert impls == {(kind, impl) for kind in ("full", "sliding") for impl in ("stock", "g4ops")}, res["timings"]
 
 
+def test_flex_options_bench_smoke(tmp_path):
+    """The harness on CPU (flex has no CPU backward: g4ops' full-layer path only), its errors against fp64 small."""
+    out = tmp_path / "flex.json"
+    _run(["bench/flex_options.py", "--device", "cpu", "--smoke", "--json", str(out)], tmp_path)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["variant"] == "g4ops" and row["fwd_bwd_ms"] > 0, row
+    assert max(row["rel_err"].values()) < 1e-5, row  # fp32 against fp64
+
+
 def test_demo_without_compile_reports_parity(tmp_path):
     # the README's main job, minus the compile variants (CI time): every variant, the GreedyDecoder included
     proc = _run(["-m", "g4ops", "demo", "--no-compile", "--tokens", "12"], tmp_path)
