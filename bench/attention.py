@@ -152,9 +152,9 @@ def correctness(length: int, device) -> list[dict]:
     return rows
 
 
-def measure_fwd_bwd(fn, q, k, v, grad, refs, reps: int, cuda: bool) -> tuple[list[float], float]:
-    """fn(q, k, v) with `grad` as its output's gradient: the relative errors of out, dq, dk, dv against `refs` (the
-    first call, compilation included) and the median fwd+bwd ms. Raises what fn raises."""
+def measure_fwd_bwd(fn, q, k, v, grad, refs, reps: int, cuda: bool):
+    """fn(q, k, v) with `grad` as its output's gradient: (the relative errors of out, dq, dk, dv against `refs` from
+    the first call, compilation included; the median fwd+bwd ms; the step it timed). Raises what fn raises."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
 
     def step():
@@ -166,7 +166,7 @@ def measure_fwd_bwd(fn, q, k, v, grad, refs, reps: int, cuda: bool) -> tuple[lis
 
     out = step()
     errors = [rel_err(got, want) for got, want in zip([out.detach()] + [t.grad for t in leaves], refs)]
-    return errors, time_ms(step, reps, cuda)
+    return errors, time_ms(step, reps, cuda), step
 
 
 def time_ms(fn, reps: int, cuda: bool, warmup: int = 3) -> float:

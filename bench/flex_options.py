@@ -10,13 +10,13 @@ chunked attention 2.30 ms fwd+bwd compiled at 2048 tokens (g4ops/attention.py): 
 are a large share of the gap between the 42-layer step and its GEMMs. g4ops calls flex with default options (its
 sliding path); stock flex with defaults does not fit head_dim 512 in shared memory (issue 18).
 
-Per kind and length, fwd+bwd median ms (CUDA events) and the relative errors of out, dq, dk, dv against an fp64
-reference, for these variants (`--variants`, comma separated):
+Per kind and length: fwd+bwd median ms (CUDA events), GPU busy ms per call (kernel time, what a CUDA-graphed step
+pays), and the relative errors of out, dq, dk, dv against an fp64 reference, for these variants (`--variants`):
   g4ops     what g4ops runs: `sliding_window_attention` (flex, default options) for sliding layers, the chunked
             `g4ops.attention.attention` for full layers; both under torch.compile
   default   flex_attention compiled with default kernel options (g4ops' band or causal block mask)
-  autotune  the same compiled with mode="max-autotune-no-cudagraphs": Inductor times its own candidate configs (the
-            chosen one shows in its AUTOTUNE log lines, so run with TORCH_LOGS unset and read stderr)
+  autotune  the same compiled with mode="max-autotune-no-cudagraphs": Inductor times its own candidate configs and
+            keeps the fastest (which one is not recorded here; Inductor's autotune output may name it)
   any name in PRESETS: flex with those kernel options
 Each variant compiles separately (torch._dynamo.reset() between them); one that fails (e.g. Triton out of shared
 memory) is reported with its error and the others go on.
@@ -83,6 +83,17 @@ def make(variant: str, n: int, window, device):
     return torch.compile(fn, mode="max-autotune-no-cudagraphs" if variant == "autotune" else None)
 
 
+def gpu_busy_ms(step, calls: int = 5) -> float:
+    """Kernel time per call (torch.profiler): what a CUDA-graphed training step pays, without the host time of
+    launching a compiled graph's kernels one by one that `fwd_bwd_ms` includes."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.self_device_time_total for e in events) / calls / 1e3
+
+
 def run(kind: str, n: int, variants, device, dtype, repeats: int, dims=None):
     dim, window = dims or LAYERS[kind]
     gen = torch.Generator(device="cpu").manual_seed(n)
@@ -99,17 +110,20 @@ def run(kind: str, n: int, variants, device, dtype, repeats: int, dims=None):
                    kernel_options=PRESETS.get(variant, {}))  # fmt: skip
         try:
             t0 = time.perf_counter()
-            errors, ms = measure_fwd_bwd(make(variant, n, window, device), q, k, v, grad, refs, repeats,
-                                         device == "cuda")  # fmt: skip
+            errors, ms, step = measure_fwd_bwd(make(variant, n, window, device), q, k, v, grad, refs, repeats,
+                                               device == "cuda")  # fmt: skip
             row["seconds"] = time.perf_counter() - t0  # compilation (and autotuning) included
             row.update(rel_err=dict(zip(("out", "dq", "dk", "dv"), errors)), fwd_bwd_ms=ms, tflops=flop / ms / 1e9)
+            if device == "cuda":
+                row["gpu_busy_ms"] = gpu_busy_ms(step)
         except Exception as exc:  # noqa: BLE001 - a variant that cannot run says why; the others still run
             row["error"] = f"{type(exc).__name__}: {exc}"[:400]
         rows.append(row)
         if "error" in row:
             print(f"{kind:7s} seq={n:6d} {variant:14s} error: {row['error']}", flush=True)
         else:
-            print(f"{kind:7s} seq={n:6d} {variant:14s} fwd+bwd {row['fwd_bwd_ms']:8.3f} ms ({row['tflops']:6.1f} "
+            busy = f", GPU busy {row['gpu_busy_ms']:.3f}" if "gpu_busy_ms" in row else ""
+            print(f"{kind:7s} seq={n:6d} {variant:14s} fwd+bwd {row['fwd_bwd_ms']:8.3f} ms{busy} ({row['tflops']:6.1f} "
                   f"TFLOP/s)  {row['seconds']:6.1f} s in all  rel err out/dq/dk/dv "
                   + " ".join(f"{e:.2e}" for e in errors), flush=True)  # fmt: skip
     return rows

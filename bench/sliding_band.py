@@ -182,7 +182,7 @@ def run(n, heads, kv_heads, dim, window, device, dtype, repeats, variants):
     rows = []
     for name in variants:
         try:
-            errors, ms = measure_fwd_bwd(make(name), q, k, v, grad, refs, repeats, device == "cuda")
+            errors, ms, _ = measure_fwd_bwd(make(name), q, k, v, grad, refs, repeats, device == "cuda")
         except Exception as exc:  # noqa: BLE001 - a variant that cannot run says why; the others still run
             rows.append(dict(variant=name, seq=n, error=f"{type(exc).__name__}: {exc}"[:300]))
             print(f"seq={n:6d} {name:14s} error: {rows[-1]['error']}", flush=True)
