@@ -41,7 +41,8 @@ through. With G4OPS_LORA_SPLIT=1, fp32 adapters of a bf16 model take their produ
 operands split exactly into bf16 parts (`_split_mm`; opt-in, `SPLIT_DEVICES` says why), and the K=r products that
 land in a bf16 output (B's in y, A's in dz) fold into one GEMM that adds them to the base GEMM's bf16 output and
 rounds once (`_plus_low_rank`). y then has peft's roundings; in dz the base GEMM's output is rounded to bf16 before
-the adapters' terms are added, as peft does (the path without split sums them in fp32).
+the adapters' terms are added, as peft does (the path without split sums them in fp32), and dh reaches the GeGLU
+backward in bf16, as peft's does.
 
 Inside an outer torch.compile (`torch.compiler.is_compiling()` in `lora_geglu_mlp`) there is no opaque op: the
 same two math functions run as a torch.autograd.Function (`_TracedLoraGeglu`, the op's formula without its ops),
@@ -405,6 +406,7 @@ def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lo
     empty = lambda: x.new_empty(0)  # noqa: E731
 
     # down: dh = grad_out @ W_down + sum_a u_a @ A_a, kept in fp32 into the GeGLU backward, which recomputes h
+    # (split: the terms folded into the base GEMM's bf16 output, `_plus_low_rank`)
     lora_h, down_folds, down_us, grad_db = _low_rank_grads(grad_out, da, db, ds, dd, dm, dmb, acc)
     grad_h = _plus_low_rank(F.linear(grad_out, w_down.t()), down_folds)
     if lora_h is not None:
