@@ -18,6 +18,9 @@ pays), and the relative errors of out, dq, dk, dv against an fp64 reference, for
   autotune  the same compiled with mode="max-autotune-no-cudagraphs": Inductor times its own candidate configs and
             keeps the fastest (which one is not recorded here; Inductor's autotune output may name it)
   any name in PRESETS: flex with those kernel options
+  sdpa-cudnn, sdpa-efficient, sdpa-flash: stock SDPA on that backend (eager; kv heads repeated as transformers'
+            sdpa path does; causal for full layers, transformers' dense band mask for sliding ones): the kernels
+            stock users get, and whether cuDNN takes head_dim 512 on this GPU
 Each variant compiles separately (torch._dynamo.reset() between them); one that fails (e.g. Triton out of shared
 memory) is reported with its error and the others go on.
 """
@@ -50,8 +53,8 @@ PRESETS = {
                  "bwd_num_warps": 4, "bwd_num_stages": 1},
 }
 DEFAULT_VARIANTS = {
-    "sliding": "g4ops,default,hints,tma,fwd128x64-w8,fwd64x64-w4,bwd64x64-w8,bwd32x64-w4",
-    "full": "g4ops,default,small-512,tiny-512",
+    "sliding": "g4ops,default,hints,tma,fwd128x64-w8,fwd64x64-w4,bwd64x64-w8,bwd32x64-w4,sdpa-cudnn",
+    "full": "g4ops,default,small-512,tiny-512,sdpa-cudnn,sdpa-efficient",
 }
 
 
@@ -68,6 +71,8 @@ def make(variant: str, n: int, window, device):
 
     from g4ops import attention as g4
 
+    if variant.startswith("sdpa-"):
+        return sdpa(variant, n, window, device)
     if variant == "g4ops":
         if window is not None:
             fn = lambda q, k, v: g4.sliding_window_attention(q, k, v, 1.0, window)  # noqa: E731
@@ -81,6 +86,26 @@ def make(variant: str, n: int, window, device):
     if device == "cpu":
         return fn  # eager (flex's dense reference path): the harness, not the kernels
     return torch.compile(fn, mode="max-autotune-no-cudagraphs" if variant == "autotune" else None)
+
+
+def sdpa(variant: str, n: int, window, device):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "sdpa-flash": SDPBackend.FLASH_ATTENTION}[variant]  # fmt: skip
+    mask = None
+    if window is not None:
+        pos = torch.arange(n, device=device)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+
+    def fn(q, k, v):
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                                    scale=1.0)  # fmt: skip
+
+    return fn
 
 
 def gpu_busy_ms(step, calls: int = 5) -> float:
@@ -141,10 +166,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     dims = None
-    if args.smoke:  # tiny fp32 shapes; on CPU flex has no backward, so only g4ops' full-layer path runs there
+    if args.smoke:  # tiny fp32 shapes; on CPU flex has no backward: g4ops' full-layer path and SDPA's CPU flash run
         args.seqs, args.repeats, dims = "48", 2, (16, 16)
         if args.device == "cpu":
-            args.kinds, args.variants = "full", "g4ops"
+            args.kinds, args.variants = "full", "g4ops,sdpa-flash"
     rows = []
     for kind in args.kinds.split(","):
         variants = (args.variants or DEFAULT_VARIANTS[kind]).split(",")

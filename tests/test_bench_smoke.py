@@ -139,12 +139,13 @@ def test_attention_bench_smoke(tmp_path):
 
 
 def test_flex_options_bench_smoke(tmp_path):
-    """The harness on CPU (flex has no CPU backward: g4ops' full-layer path only), its errors against fp64 small."""
+    """The harness on CPU (flex has no CPU backward: g4ops' full-layer path and SDPA), errors against fp64 small."""
     out = tmp_path / "flex.json"
     _run(["bench/flex_options.py", "--device", "cpu", "--smoke", "--json", str(out)], tmp_path)
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["variant"] == "g4ops" and row["fwd_bwd_ms"] > 0, row
-    assert max(row["rel_err"].values()) < 1e-5, row  # fp32 against fp64
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["g4ops", "sdpa-flash"], rows
+    for row in rows:
+        assert row["fwd_bwd_ms"] > 0 and max(row["rel_err"].values()) < 1e-5, row  # fp32 against fp64
 
 
 def test_demo_without_compile_reports_parity(tmp_path):
