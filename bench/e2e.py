@@ -448,11 +448,8 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
                 common["lora_r"] = args.lora
                 if use_g4ops and args.lora_attention == "g4ops":  # after peft: its attention projections' layers
                     g4ops.enable(model)  # now exist, and enable(model) routes them to g4ops.lora_linear
-                if use_g4ops:
-                    common["lora_linear_projections"] = sum(
-                        hasattr(getattr(vars(m).get("forward"), "__func__", None), g4ops.lora.LINEAR_FORWARD_MARK)
-                        for m in model.modules())  # fmt: skip
                 if use_g4ops:  # asked outside the compiled step, whose trace does not log
+                    common["lora_linear_projections"] = sum(map(g4ops.lora.runs_lora_linear, model.modules()))
                     mlps = [m for m in model.modules() if type(m).__name__ == "Gemma4TextMLP"]
                     common["lora_mlp_fallback"] = sorted({g4ops.lora.fallback_reason(m) for m in mlps} - {None})
             compiled = variant.endswith("compile")
@@ -734,8 +731,9 @@ def write_json(args, results):
 
 def print_row(row):
     keys = ("part", "variant", "batch", "seq", "layout", "real_tokens", "lora_r", "compile_mode", "optimizer",
-            "tok_s", "back_to_back_tok_s", "peak_gib", "speedup_vs_stock", "first_loss", "loss_matches_stock", "first_step_s",
-            "cudagraph_skips", "warmup_s", "first_fast_token", "first_fast_token_since_process_start_s", "error")
+            "tok_s", "back_to_back_tok_s", "peak_gib", "speedup_vs_stock", "first_loss", "loss_matches_stock",
+            "first_step_s", "cudagraph_skips", "warmup_s", "first_fast_token", "first_fast_token_since_process_start_s",
+            "error")
     print("  ".join(f"{k}={fmt(row[k])}" for k in keys if k in row), flush=True)
 
 

@@ -32,7 +32,8 @@ import json
 import time
 
 import torch
-from attention import HKV, HQ, LAYERS, measure_fwd_bwd, reference  # bench/attention.py: this directory is on sys.path
+from attention import HKV, HQ, LAYERS, measure_fwd_bwd, reference, stock_mask  # bench/ is on sys.path
+from profile_steps import _kernel_table
 
 # Kernel options to try (FlexKernelOptions; fwd_/bwd_ prefixes apply to one pass). Sliding (head_dim 256): safety
 # hints and TMA, then block shapes. Full (head_dim 512): blocks small enough for a 512-wide tile in shared memory.
@@ -93,10 +94,7 @@ def sdpa(variant: str, n: int, window, device):
 
     backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
                "sdpa-flash": SDPBackend.FLASH_ATTENTION}[variant]  # fmt: skip
-    mask = None
-    if window is not None:
-        pos = torch.arange(n, device=device)
-        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    mask = stock_mask(n, window, device)
 
     def fn(q, k, v):
         groups = q.shape[1] // k.shape[1]
@@ -115,8 +113,7 @@ def gpu_busy_ms(step, calls: int = 5) -> float:
         for _ in range(calls):
             step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.self_device_time_total for e in events) / calls / 1e3
+    return _kernel_table(prof, calls, 0)[0] / 1e3
 
 
 def run(kind: str, n: int, variants, device, dtype, repeats: int, dims=None):

@@ -955,6 +955,11 @@ def make_linear_forward(peft_forward, is_plain_linear, is_plain_tensor):
     return forward
 
 
+def runs_lora_linear(layer: nn.Module) -> bool:
+    """Whether this layer's forward is the one `make_linear_forward` built (enable(model) routed it)."""
+    return hasattr(getattr(vars(layer).get("forward"), "__func__", None), LINEAR_FORWARD_MARK)
+
+
 def explain_unrouted_projections(attention, names) -> None:
     """Say once (INFO, "g4ops" logger) when an attention's projections are peft LoRA layers without the forward
     `make_linear_forward` builds: they run peft's forward, because only enable(model) called after peft wrapped them

@@ -99,7 +99,7 @@ def _assert_attention_lora_routed(model) -> None:
     """Every peft LoRA layer on an attention projection runs g4ops.lora_linear (g4ops/lora.py)."""
     layers = [getattr(m, name) for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"
               for name in integration._ATTENTION_PROJECTIONS if lora.is_peft_lora_layer(getattr(m, name, None))]  # fmt: skip
-    routed = [p for p in layers if hasattr(getattr(vars(p).get("forward"), "__func__", None), lora.LINEAR_FORWARD_MARK)]
+    routed = [p for p in layers if lora.runs_lora_linear(p)]
     if any(lora.is_peft_lora_layer(m) for m in model.modules()):  # a LoRA run: its attention has adapters
         assert layers, "no peft LoRA layer found on the attention projections"
     assert len(routed) == len(layers), f"{len(layers) - len(routed)} of {len(layers)} attention LoRA layers on peft"
