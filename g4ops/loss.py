@@ -7,7 +7,8 @@ Internal ops, each a real operator so autograd, torch.compile and CUDA graphs se
     linear_cross_entropy_forward   the training forward: the loss and, computed chunk by chunk in the same op,
                                    d loss / d hidden and d loss / d weight (Liger's trick: nothing of size
                                    [tokens, vocab] is kept for the backward)
-    linear_cross_entropy_backward  scales those saved gradients by the incoming grad_output
+    linear_cross_entropy_backward  scales those saved gradients by the incoming grad_output (eager; a traced backward
+                                   runs the same scale as ATen ops that Inductor fuses with its neighbours)
 
 Semantics (what HF transformers computes for Gemma-4 with `labels`, written out once):
     z      = softcap * tanh((hidden @ weight.T) / softcap)        (no cap when softcap is None or 0)
@@ -265,9 +266,9 @@ def _chunk_loss_grad(
 
 def _scale_grad(g: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
     """The backward: a saved gradient times grad_output, computed in fp32 (fp64 for fp64) and rounded once to g's
-    dtype. Through `_run_fused` because ATen runs bf16 times a 0-d fp32 CUDA tensor in its non-vectorized
+    dtype. Eager, through `_run_fused`, because ATen runs bf16 times a 0-d fp32 CUDA tensor in its non-vectorized
     mixed-dtype kernel (1.2 ms for E4B's [262144, 2560] weight gradient on an H200); Inductor emits one vectorized
-    kernel."""
+    kernel. Traced by an outer torch.compile, inline (`_LinearCrossEntropyFunction.backward`)."""
     acc = accumulation_dtype(g.dtype)
     return (g.to(acc) * grad_output.to(acc)).to(g.dtype)
 
@@ -541,7 +542,12 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
         grad_h, grad_w = ctx.saved_tensors
-        gh, gw = torch.ops.g4ops.linear_cross_entropy_backward(grad_output, grad_h, grad_w, ctx.mask)
+        if torch.compiler.is_compiling():
+            # traced (AOTAutograd): plain ATen, so Inductor fuses the scale into what reads the gradients; with a
+            # tied embedding that is the sum of the two weight gradients, one pass over [V, H] fewer
+            gh, gw = (_scale_grad(g, grad_output) if wanted else None for g, wanted in zip((grad_h, grad_w), ctx.mask))
+        else:
+            gh, gw = torch.ops.g4ops.linear_cross_entropy_backward(grad_output, grad_h, grad_w, ctx.mask)
         return (gh if ctx.mask[0] else None), (gw if ctx.mask[1] else None), None, None, None, None, None
 
 

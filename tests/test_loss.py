@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import g4ops.loss as loss_mod
+from g4ops import ops
 from g4ops.loss import linear_cross_entropy
 
 try:
@@ -507,6 +507,49 @@ def test_compile_fullgraph_no_graph_break():
     step(h2, w2).backward()
     torch.testing.assert_close(h.grad, h2.grad)
     torch.testing.assert_close(w.grad, w2.grad)
+
+
+def test_traced_backward_scales_in_the_graph_for_a_tied_weight():
+    """Traced, the loss's backward is plain ATen (no `linear_cross_entropy_backward` call in the backward graph), so
+    Inductor can fuse the grad_output scale into the sum with the tied embedding's gradient; the gradients stay
+    bitwise those of eager (bf16: the same fp32 multiply rounded once, then the bf16 sum)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    hidden, weight, labels = make_inputs(24, 16, 50, dtype=torch.bfloat16, seed=3)
+    ids = torch.randint(0, 50, (24,), generator=torch.Generator().manual_seed(4))
+    scale = torch.tensor(0.37)
+
+    def step(w):  # a tied embedding (g4ops' lookup, as enable() runs it): `w` is the table and the projection
+        h = ops.embedding(ids, w) * 1.5 + hidden
+        return linear_cross_entropy(h, w, labels, 30.0, chunk_size=8) * scale
+
+    backward_graphs = []
+
+    def keep_backward(gm, _):
+        backward_graphs.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    w_eager = weight.clone().requires_grad_()
+    step(w_eager).backward()
+    torch._dynamo.reset()
+    try:
+        w_seen = weight.clone().requires_grad_()
+        backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep_backward)
+        torch.compile(step, backend=backend, fullgraph=True)(w_seen).backward()
+        torch._dynamo.reset()
+        w_inductor = weight.clone().requires_grad_()
+        torch.compile(step, fullgraph=True)(w_inductor).backward()
+    finally:
+        torch._dynamo.reset()
+    (code,) = backward_graphs
+    assert "linear_cross_entropy_backward" not in code and "linear_cross_entropy_forward" not in code
+    assert torch.equal(w_seen.grad, w_eager.grad)
+    # Inductor keeps fused intermediates in fp32 (no bf16 rounding between the scale and the sums)
+    w_ref = weight.double().requires_grad_()
+    h_ref = ops.embedding(ids, w_ref) * 1.5 + hidden.double()
+    (linear_cross_entropy(h_ref, w_ref, labels, 30.0, chunk_size=8) * scale.double()).backward()
+    assert rel_err(w_inductor.grad, w_ref.grad) <= rel_err(w_eager.grad, w_ref.grad)
 
 
 # ----------------------------------------------------------------------------------------------------------------
