@@ -61,7 +61,7 @@ from typing import Callable
 
 import torch
 
-from ..models import FULL
+from ..models import FULL, SLIDING
 from .cache import text_attentions
 from .decoder import (K_CAPS, PREFILL_GRAPH_TOKENS, PREFILL_WIDTHS, PrefillGraphs, _register_decode_attention,
                       compiled_prefill, is_compiled, prefill_width, step_attention)
@@ -214,7 +214,7 @@ class _DecodeCall(_CacheCall):
         ring = torch.arange(c.window + 1, device=dev)[None, :]
         held = p - torch.remainder(p - ring, c.window)  # the position ring slot s holds once p is written
         ring = torch.where(active, (held >= 0) & (ring < c.window), ring == c.window)
-        return {FULL: full[:, None, None, :], "sliding_attention": ring[:, None, None, :]}
+        return {FULL: full[:, None, None, :], SLIDING: ring[:, None, None, :]}
 
 
 class _PrefillCall(_CacheCall):
@@ -266,7 +266,7 @@ class _PrefillCall(_CacheCall):
 
     def masks(self) -> dict[str, torch.Tensor]:
         """{FULL: [k, 1, N, end], sliding: [k, 1, N, window + N]} bool, True = attend."""
-        c, w, real = self.cache, self.cache.window, self.real
+        w, real = self.cache.window, self.real
         dev = self.pos.device
         q = self.pos[:, :, None]  # [k, N, 1] query positions
         alone = ~real[:, :, None]  # padding queries
@@ -281,7 +281,7 @@ class _PrefillCall(_CacheCall):
                                  real[:, None, :] & (key <= q) & (key > q - w))  # fmt: skip
         # the ring is min(window, max_context) long: a longer window changes nothing below max_context
         sliding = torch.cat([ring_seen, chunk_seen], dim=2)
-        return {FULL: full[:, None], "sliding_attention": sliding[:, None]}
+        return {FULL: full[:, None], SLIDING: sliding[:, None]}
 
 
 # -- requests -----------------------------------------------------------------------------------------------------

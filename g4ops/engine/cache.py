@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models import FULL
+from ..models import FULL, SLIDING
 
 
 def text_attentions(model) -> list:
@@ -79,7 +79,7 @@ class GraphKVCache:
         ring_pos = (p - torch.remainder(p - ring, self.window))[None, :]  # the position each ring slot holds
         return {
             FULL: ((full_pos <= p) & (full_pos >= self.pad))[:, None, None, :],
-            "sliding_attention": (ring_pos >= self.pad)[:, None, None, :],
+            SLIDING: (ring_pos >= self.pad)[:, None, None, :],
         }
 
     def prefill_masks(self, n: int) -> dict[str, torch.Tensor]:
@@ -89,4 +89,4 @@ class GraphKVCache:
         real_key = k >= self.pad[:, :, None]  # [B, 1, n]
         # a padding query sees only itself: its output is never used, but it must stay finite (it becomes K/V)
         causal = ((k <= q) & real_key) | ((k == q) & (q < self.pad[:, :, None]))
-        return {FULL: causal[:, None], "sliding_attention": (causal & (k > q - self.sliding_window))[:, None]}
+        return {FULL: causal[:, None], SLIDING: (causal & (k > q - self.sliding_window))[:, None]}
