@@ -241,10 +241,17 @@ def test_split_pairs_hold_the_exact_product():
     assert O.rel_err(left.to(BF16).double() @ right.to(BF16).double().t(), truth) > 1e-4
 
 
+@pytest.mark.parametrize("gemm", ["device's", "baddbmm"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_plus_low_rank_rounds_once(device):
+def test_plus_low_rank_rounds_once(device, gemm, monkeypatch):
     """bf16 out + two fp32 low-rank products, one of them on strided rows: the exact sum rounded once to bf16, up to
-    an fp32 accumulator's rounding (a result may sit one bf16 ulp off where the exact sum is near a tie)."""
+    an fp32 accumulator's rounding (a result may sit one bf16 ulp off where the exact sum is near a tie). "baddbmm":
+    the CUDA formula wherever the test runs (on CPU too, so CI executes it: CPU's bf16 baddbmm rounds once as well)."""
+    if gemm == "baddbmm":
+        monkeypatch.setattr(lora, "_gemm_adds_c_unrounded", lambda c: True)
+        calls = []
+        real_baddbmm = torch.baddbmm
+        monkeypatch.setattr(torch, "baddbmm", lambda *a, **kw: calls.append(a) or real_baddbmm(*a, **kw))
     gen = torch.Generator().manual_seed(6)
     t, n = (3, 11), 41
     out = O.make_tensor((*t, n), BF16, gen, device=device)
@@ -260,6 +267,8 @@ def test_plus_low_rank_rounds_once(device):
     assert ((got.double() - rounded.double()).abs() <= ulp).all()
     assert (got == rounded).float().mean() > 0.98
     assert lora._plus_low_rank(out, []) is out
+    if gemm == "baddbmm":
+        assert len(calls) == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
