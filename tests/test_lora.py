@@ -194,26 +194,28 @@ def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monke
                                      O.floor(BF16, k, ref.numel()))  # fmt: skip
 
 
+def _through(run: str, fn):
+    """fn itself, or fn compiled by Inductor: how the op's math runs on CUDA (Inductor drops intermediate bf16
+    roundings in fused code, so math that relies on one breaks only there)."""
+    return fn if run == "eager" else torch.compile(fn, fullgraph=True)
+
+
 @pytest.mark.parametrize("run", ["eager", "inductor"])
 def test_bf16_parts_sum_to_the_fp32_value_exactly(run):
-    """Eager and compiled (the op's math runs through Inductor on CUDA, which drops intermediate bf16 roundings):
-    the three parts hold every bit of the fp32 value, on a strided view too."""
+    """The three parts hold every bit of the fp32 value, on a strided view too."""
     gen = torch.Generator().manual_seed(3)
     t = torch.randn(4099, 2, generator=gen) * torch.exp2(torch.randint(-60, 60, (4099, 2), generator=gen).float())
     t = t[:, 1]
-    torch._dynamo.reset()
-    try:
-        hi, mid, lo = (lora._bf16_parts if run == "eager" else torch.compile(lora._bf16_parts, fullgraph=True))(t)
-    finally:
-        torch._dynamo.reset()
+    hi, mid, lo = _through(run, lora._bf16_parts)(t)
     assert {hi.dtype, mid.dtype, lo.dtype} == {BF16}
     assert torch.equal(hi.float() + mid.float() + lo.float(), t)
     assert (mid != 0).sum() > 4000  # the parts below hi carry bits (not a trivially exact hi alone)
 
 
+@pytest.mark.parametrize("run", ["eager", "inductor"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fp32_side", ["left", "right"])
-def test_split_mm_is_an_fp32_gemm_against_fp64(device, fp32_side):
+def test_split_mm_is_an_fp32_gemm_against_fp64(device, fp32_side, run):
     """_split_mm (bf16 parts, one bf16 GEMM with fp32 accumulation) is within an fp32 GEMM's error of fp64, for
     odd shapes and a transposed bf16 operand; the bf16 operand holds fresh random values, the fp32 one values
     that bf16 cannot hold."""
@@ -228,7 +230,7 @@ def test_split_mm_is_an_fp32_gemm_against_fp64(device, fp32_side):
         b = O.make_tensor((k, n), F32, gen, device=device)
         fp32_operand = b
     assert not torch.equal(fp32_operand, fp32_operand.to(BF16).float())
-    out = lora._split_mm(a, b)
+    out = _through(run, lora._split_mm)(a, b)
     assert out.dtype == F32 and out.shape == (a.shape[0], b.shape[1])
     truth = a.double() @ b.double()
     fp32_gemm = a.float() @ b.float()
@@ -237,11 +239,12 @@ def test_split_mm_is_an_fp32_gemm_against_fp64(device, fp32_side):
         O.rel_err(out, truth), O.rel_err(fp32_gemm, truth))
 
 
-def test_split_pairs_hold_the_exact_product():
+@pytest.mark.parametrize("run", ["eager", "inductor"])
+def test_split_pairs_hold_the_exact_product(run):
     """The nine bf16 part products sum (in fp64, where each is exact) to the fp32 product itself."""
     gen = torch.Generator().manual_seed(5)
     left, right = O.make_tensor((29, 5), F32, gen), O.make_tensor((13, 5), F32, gen)
-    lhs, rhs = lora._split_pairs(left, right)
+    lhs, rhs = _through(run, lora._split_pairs)(left, right)
     assert lhs.dtype == rhs.dtype == BF16 and lhs.shape == (29, 45) and rhs.shape == (13, 45)
     truth = left.double() @ right.double().t()
     assert O.rel_err(lhs.double() @ rhs.double().t(), truth) < 1e-14
