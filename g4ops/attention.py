@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 
 from .ops import _BELOW_AUTOGRAD, _lib
+from .reference import truncated_to
 
 CHUNK = 512  # least query rows per GEMM block: big enough for full-speed GEMMs
 MAX_CHUNKS = 4  # most blocks per call: torch.compile unrolls the loop, and at 8192 tokens 16 blocks per layer made a
@@ -81,9 +82,6 @@ def _bmm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return torch.bmm(a.to(acc), b.to(acc))
 
 
-_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
-
-
 def _parts(x: torch.Tensor, op: torch.dtype) -> tuple[torch.Tensor, ...]:
     """P or dS (fp32/fp64) as GEMM operands of dtype `op` that sum to it: x itself when `op` is its dtype; for
     bf16/fp16 a hi + lo pair, equal to x within 2^-16 relative in bf16 (fp16: 2^-22, or its subnormal spacing
@@ -94,13 +92,11 @@ def _parts(x: torch.Tensor, op: torch.dtype) -> tuple[torch.Tensor, ...]:
     pair they equal it. Cost: a second GEMM for each product with P or dS, 7 -> 11 GEMMs per query chunk in forward
     + backward (+57% GEMM FLOPs), plus writing lo.
 
-    hi is x with its low mantissa bits cleared, so it is exact in `op` and x - hi is exact in fp32; lo is that
-    remainder rounded once. hi comes from the bits and not from x.to(op) on purpose: Inductor keeps fused bf16/fp16
-    values in fp32 (it drops the rounding of x.to(op).float()), which would make lo zero under torch.compile."""
+    hi is x with its low mantissa bits cleared (`reference.truncated_to`, which says why not x.to(op)), so it is
+    exact in `op` and x - hi is exact in fp32; lo is that remainder rounded once."""
     if x.dtype == op:
         return (x,)
-    keep = -(1 << (23 - _MANTISSA_BITS[op]))  # int32 mask of the sign, exponent and the leading mantissa bits
-    hi = (x.view(torch.int32) & keep).view(torch.float32)
+    hi = truncated_to(x, op)
     return hi.to(op), (x - hi).to(op)
 
 

@@ -254,19 +254,14 @@ def _splits(bf16_operand, lora_a) -> bool:
 
 def _bf16_parts(t):
     """(hi, mid, lo) in bf16 with hi + mid + lo == t exactly for normal fp32 values: 24 significant bits are three
-    times 8. hi is t with its low 16 bits cleared (exact in bf16), mid the same of the remainder t - hi (exact in
-    fp32, at most 16 significant bits), lo the last remainder (at most 8). From the bits and not from t.to(bf16):
-    Inductor keeps fused bf16 values in fp32 (it drops the rounding of t.to(bf16).float()), and under torch.compile
-    (how the op's math runs on CUDA) mid and lo came out zero, the fp32 operand rounded to bf16."""
-    hi = _bf16_truncated(t)
+    times 8. hi is t with its low 16 bits cleared (`reference.truncated_to`: exact in bf16), mid the same of the
+    remainder t - hi (exact in fp32, at most 16 significant bits), lo the last remainder (at most 8). Not from
+    t.to(bf16): under torch.compile (how the op's math runs on CUDA) mid and lo then came out zero."""
+    bf16 = torch.bfloat16
+    hi = reference.truncated_to(t, bf16)
     rest = t - hi
-    mid = _bf16_truncated(rest)
-    return hi.to(torch.bfloat16), mid.to(torch.bfloat16), (rest - mid).to(torch.bfloat16)
-
-
-def _bf16_truncated(t):
-    """fp32 t with the 16 low bits of each value cleared: sign, exponent and 7 mantissa bits, a bf16 value."""
-    return (t.view(torch.int32) & -(1 << 16)).view(torch.float32)
+    mid = reference.truncated_to(rest, bf16)
+    return hi.to(bf16), mid.to(bf16), (rest - mid).to(bf16)
 
 
 def _mm_to_fp32(a, b):

@@ -30,6 +30,18 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+
+
+def truncated_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 `x` with the mantissa bits that bf16/fp16 `dtype` lacks cleared: a value exact in `dtype` (for normal
+    values in its range), and x - it is exact in fp32. Taken from the bits, not by rounding with x.to(dtype):
+    Inductor keeps fused bf16/fp16 values in fp32 (it drops the rounding of x.to(dtype).float()), so a remainder
+    computed from a rounding comes out zero under torch.compile."""
+    keep = -(1 << (23 - _MANTISSA_BITS[dtype]))  # int32 mask of the sign, exponent and the leading mantissa bits
+    return (x.view(torch.int32) & keep).view(torch.float32)
+
+
 def _inverse_rms(x_acc: torch.Tensor, eps: float) -> torch.Tensor:
     # torch.pow(..., -0.5) rather than rsqrt: the same expression as transformers, for bitwise-equal fp32 results.
     return torch.pow(x_acc.pow(2).mean(-1, keepdim=True) + eps, -0.5)

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import g4ops
 from g4ops import attention as attention_module
-from g4ops import integration
+from g4ops import integration, reference
 from g4ops.attention import attention
 from g4ops.models import build_model
 
@@ -479,7 +479,7 @@ def test_hi_lo_parts_keep_fp32_values_to_their_bound(dtype, bits, spacing, compi
     hi, lo = split(x, dtype)
     assert hi.dtype == lo.dtype == dtype
     assert ((hi.float() + lo.float()) - x).abs().le(torch.maximum(2.0**-bits * x.abs(), torch.tensor(spacing))).all()
-    assert (lo.float().abs() <= 2.0 ** -attention_module._MANTISSA_BITS[dtype] * x.abs() + spacing).all()
+    assert (lo.float().abs() <= 2.0 ** -reference._MANTISSA_BITS[dtype] * x.abs() + spacing).all()
 
 
 @given(
