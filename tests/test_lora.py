@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import g4ops
@@ -261,8 +263,8 @@ def test_plus_low_rank_rounds_once(device, gemm, monkeypatch):
     if gemm == "baddbmm":
         monkeypatch.setattr(lora, "_gemm_adds_c_unrounded", lambda c: True)
         calls = []
-        real_baddbmm = torch.baddbmm
-        monkeypatch.setattr(torch, "baddbmm", lambda *a, **kw: calls.append(a) or real_baddbmm(*a, **kw))
+        real_baddbmm_ = torch.Tensor.baddbmm_
+        monkeypatch.setattr(torch.Tensor, "baddbmm_", lambda *a, **kw: calls.append(a) or real_baddbmm_(*a, **kw))
     gen = torch.Generator().manual_seed(6)
     t, n = (3, 11), 41
     out = O.make_tensor((*t, n), BF16, gen, device=device)
@@ -270,9 +272,9 @@ def test_plus_low_rank_rounds_once(device, gemm, monkeypatch):
                                                                                           device=device)),
              (O.make_tensor((*t, 2), F32, gen, device=device, layout="sliced"),
               O.make_tensor((2, n), F32, gen, device=device).t())]  # fmt: skip
-    got = lora._plus_low_rank(out, pairs)
-    assert got.dtype == BF16 and got.shape == out.shape
     exact = out.double() + sum(left.double() @ right.double().t() for left, right in pairs)
+    got = lora._plus_low_rank(out.clone(), pairs)  # it writes into its `out`
+    assert got.dtype == BF16 and got.shape == out.shape
     rounded = exact.to(BF16)
     ulp = (rounded.double().abs() * 2.0**-7).clamp_min(2.0**-133)
     assert ((got.double() - rounded.double()).abs() <= ulp).all()
@@ -280,6 +282,30 @@ def test_plus_low_rank_rounds_once(device, gemm, monkeypatch):
     assert lora._plus_low_rank(out, []) is out
     if gemm == "baddbmm":
         assert len(calls) == 1
+
+
+def test_plus_low_rank_adds_into_the_base_output_under_inductor():
+    """Compiled, the fold writes into the base GEMM's output buffer, with no copy of it first: the op that mutates it
+    is re-inplaced by Inductor (out-of-place, ATen's baddbmm copies c into its result: one [T, n] memcpy per fold on
+    the GPU). The generated code hands the mm's own output buffer to the op; the result is eager's, bitwise."""
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator().manual_seed(8)
+    x, w = O.make_tensor((2, 5, 16), BF16, gen), O.make_tensor((24, 16), BF16, gen)
+    left, right = O.make_tensor((2, 5, 4), F32, gen), O.make_tensor((24, 4), F32, gen)
+
+    def fold(x, w, left, right):
+        return lora._plus_low_rank(F.linear(x, w), [(left, right)])
+
+    torch._dynamo.reset()
+    try:
+        got, (code,) = run_and_get_code(torch.compile(fold, fullgraph=True), x, w, left, right)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, fold(x, w, left, right))
+    (mm_out,) = re.findall(r"extern_kernels\.mm\(.*out=(buf\d+)\)", code)
+    (op_arg,) = re.findall(r"g4ops\.add_product_rounded\.default\((buf\d+),", code)
+    assert op_arg == mm_out, code
 
 
 # ----------------------------------------------------------------------------------------------------------------
