@@ -37,3 +37,12 @@ def torch_too_old(feature: str, minimum: tuple[int, int] = CUDA_MIN_TORCH) -> st
         f"{torch.__version__} is installed. torch 2.9 is admitted for neuron_backend on the Neuron SDK, whose ops "
         "run on the reference kernels."
     )
+
+
+def traced_by_compile() -> bool:
+    """Whether this code runs inside a torch.compile trace, Dynamo's or AOTAutograd's (an autograd.Function's backward
+    is traced by AOTAutograd, not Dynamo). torch.compiler.is_compiling() alone says so in both from torch 2.13 on; on
+    2.11 (the H200 image) it is False in a traced backward (seen 2026-12-05: the loss's backward kept its opaque op
+    there), so the active TracingContext, which Dynamo holds while it calls the backend, answers that case. Under
+    Dynamo, is_compiling() is True and the second check is never traced."""
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None

@@ -90,6 +90,7 @@ import torch.nn.functional as F
 
 from ._build import ensure_cuda_kernels, status
 from ._fused import run_compiled
+from ._torch_version import traced_by_compile
 from .ops import _internal_op_autograd, _lib
 from .reference import accumulation_dtype
 
@@ -542,7 +543,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
         grad_h, grad_w = ctx.saved_tensors
-        if torch.compiler.is_compiling():
+        if traced_by_compile():
             # traced (AOTAutograd): plain ATen, so Inductor fuses the scale into what reads the gradients; with a
             # tied embedding that is the sum of the two weight gradients, one pass over [V, H] fewer
             gh, gw = (_scale_grad(g, grad_output) if wanted else None for g, wanted in zip((grad_h, grad_w), ctx.mask))
