@@ -674,9 +674,9 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
 # peft runs an fp32 adapter of a bf16 model as fp32 GEMMs on an fp32 copy of x, on FFMA units: in a graphed 4-layer
 # E4B LoRA step on the H200 (2026-12-04, session 24) those were 1.9 of 21.4 ms of GPU time, nearly all in the four
 # attention projections once the MLP's products ran split (`_split_mm`, which this op uses too). With this op (and
-# G4OPS_LORA_SPLIT=1) they fell to about 1.0 ms, the K=r products that then stayed fp32 (since folded into the
-# base GEMMs, `_plus_low_rank`, not yet timed), and the graphed 42-layer step went from 15444 to 16081 tok/s
-# (bench/results/2026-12-04-h200-session24.md).
+# G4OPS_LORA_SPLIT=1) they fell to about 1.0 ms, the K=r products that then stayed fp32, and the graphed 42-layer
+# step went from 15444 to 16081 tok/s (bench/results/2026-12-04-h200-session24.md). Those products are now folded
+# into the base GEMMs (`_plus_low_rank`): 16916 tok/s (bench/results/2026-12-05-h200-session27.md).
 
 
 def lora_linear_forward_math(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
