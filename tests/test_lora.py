@@ -284,6 +284,15 @@ def test_plus_low_rank_rounds_once(device, gemm, monkeypatch):
         assert len(calls) == 1
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_add_product_rounded(device):
+    """The fold's op: its schema says it writes c, its fake kernel matches, and it traces (torch.library.opcheck)."""
+    gen = torch.Generator().manual_seed(9)
+    c = O.make_tensor((7, 12), BF16, gen, device=device)
+    a, b = O.make_tensor((7, 18), BF16, gen, device=device), O.make_tensor((18, 12), BF16, gen, device=device)
+    torch.library.opcheck(torch.ops.g4ops.add_product_rounded, (c, a, b))
+
+
 def test_plus_low_rank_adds_into_the_base_output_under_inductor():
     """Compiled, the fold writes into the base GEMM's output buffer, with no copy of it first: the op that mutates it
     is re-inplaced by Inductor (out-of-place, ATen's baddbmm copies c into its result: one [T, n] memcpy per fold on
