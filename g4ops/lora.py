@@ -301,10 +301,8 @@ def _add_product_rounded(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> N
     An op that writes c, not `torch.baddbmm(c, a, b)`: ATen's out-of-place baddbmm first copies c into its result
     (a full [T, n] memcpy per fold, 49 of them and 0.41 ms in a 4-layer LoRA step on the H200, 2026-12-05), and a
     traced in-place `baddbmm_` is functionalized back into that copy. Inductor re-inplaces a mutating custom op
-    whose input dies there, as every caller's c (a base GEMM's fresh output) does. A batch-1 baddbmm, not addmm:
-    Inductor may rewrite an addmm whose users are pointwise into mm + add (`unfuse_bias_add_to_pointwise`), rounding
-    the product to bf16 before the add; torch 2.13 keeps bf16 addmm fused, older releases need not (pytorch PR
-    176848)."""
+    whose input dies there, as every caller's c (a base GEMM's fresh output) does. Inside the op Inductor rewrites
+    nothing, so the GEMM's one rounding holds (test_plus_low_rank_rounds_once)."""
     if _gemm_adds_c_unrounded(c):
         c[None].baddbmm_(a[None], b[None])
     else:
