@@ -33,7 +33,8 @@ Parts (`--parts`, comma-separated; default all):
           with no sync between them (the host's per-step work then overlaps the GPU's; a synced step exposes it). A
           variant that runs out of memory is reported as OOM and the run goes on.
           `--g4ops-attention`: the g4ops variants also run g4ops attention (`enable(model, attention=True)`);
-          `--sliding stock` keeps its sliding layers on stock SDPA instead of FlexAttention (compiled CUDA only).
+          `--sliding stock` keeps its sliding layers on stock SDPA instead of FlexAttention (compiled CUDA only);
+          `--sliding flex-masked` also runs those of padded and packed batches on FlexAttention with their mask.
           `--lora R`: every variant trains peft LoRA adapters of rank R (alpha 2R, dropout 0, peft's init) on
           q/k/v/o/gate/up/down with the base weights frozen, instead of a full finetune (name the `--json` file
           with "lora"). The g4ops rows record `lora_mlp_fallback`: empty when every MLP runs g4ops' fused LoRA
@@ -432,7 +433,8 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
             state["model"] = model = model_for(args).train()
             if use_g4ops and args.g4ops_attention:
                 g4ops.enable(model, attention=True)  # also switch its attention to g4ops' implementation
-                g4ops.integration.SLIDING_VIA_FLEX = args.sliding == "flex"
+                g4ops.integration.SLIDING_VIA_FLEX = args.sliding != "stock"
+                g4ops.integration.MASKED_SLIDING_VIA_FLEX = args.sliding == "flex-masked"
                 on_flex = variant.endswith("compile") and args.device.startswith("cuda")
                 common["sliding"] = args.sliding if on_flex else "stock"
             common["attention"] = model.config._attn_implementation
@@ -801,8 +803,9 @@ def parse_args(argv=None):
     ap.add_argument("--lora-attention", choices=["g4ops", "peft"], default="g4ops",
                     help="--lora, g4ops variants: the attention projections' LoRA layers through g4ops.lora_linear "
                          "(enable(model) after peft wraps them) or peft's own forward")
-    ap.add_argument("--sliding", choices=["flex", "stock"], default="flex",
-                    help="with --g4ops-attention, compiled on CUDA: sliding layers on FlexAttention or stock SDPA")
+    ap.add_argument("--sliding", choices=["flex", "stock", "flex-masked"], default="flex",
+                    help="with --g4ops-attention, compiled on CUDA: sliding layers on FlexAttention or stock SDPA; "
+                         "flex-masked: also those of padded and packed batches (MASKED_SLIDING_VIA_FLEX)")
     ap.add_argument("--lora", type=int, default=0, metavar="R",
                     help="train: peft LoRA of rank R on every projection instead of a full finetune (0: full)")
     ap.add_argument("--compile-mode", default="default", choices=["default", "reduce-overhead", "max-autotune"],

@@ -331,7 +331,9 @@ def attention(
 # chunked GEMM path above is exact but slower than cuDNN there. FlexAttention with a block mask skips the blocks
 # outside the band, and Inductor compiles it into one flash-style Triton kernel per direction (bf16 P like cuDNN's).
 # It only runs fused under torch.compile, and compiled it is trusted on CUDA only (`_flex_compiled_trusted`), so
-# `flex_sliding_usable` gates it.
+# `flex_sliding_usable` gates it. A padding or packed-sequence mask joins the band inside the mask_mod (one lookup per
+# pair of a block the block mask lists as partial): those calls otherwise leave FlexAttention for SDPA with the dense
+# mask, which takes no causal or band shortcut at all.
 
 
 def _band(offset: int, window: int):
@@ -344,15 +346,28 @@ def _band(offset: int, window: int):
     return mask_mod
 
 
-def band_block_mask(q_len: int, kv_len: int, window: int, device):
-    """The BlockMask `sliding_window_attention` runs with: the band of `attention(..., window=window)` for L queries
-    at the last positions of S keys; blocks wholly outside it are left out."""
+def _band_and(band, mask: torch.Tensor):
+    """The band's mask_mod narrowed by a [B, 1, L, S] bool mask (batch index b, as the kernel passes it)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return band(b, h, q_idx, kv_idx) & mask[b, 0, q_idx, kv_idx]
+
+    return mask_mod
+
+
+def band_block_mask(q_len: int, kv_len: int, window: int, device, mask: torch.Tensor | None = None):
+    """The BlockMask `sliding_window_attention` runs with: the band of `attention(..., window=window, mask=mask)` for
+    L queries at the last positions of S keys; blocks with no visible pair are left out. `mask`: [B, 1, L, S] bool
+    (expanded to the query batch) or None."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     # a symbolic offset (torch.compile's dynamic shapes) inside mask_mod fails Inductor's lowering (torch 2.13):
     # training calls have L == S, so pass a plain 0 there (one guard on L == S)
     offset = 0 if kv_len == q_len else kv_len - q_len
-    return create_block_mask(_band(offset, window), None, None, q_len, kv_len, device=device)
+    band = _band(offset, window)
+    if mask is None:
+        return create_block_mask(band, None, None, q_len, kv_len, device=device)
+    return create_block_mask(_band_and(band, mask), mask.shape[0], None, q_len, kv_len, device=device)
 
 
 def _flex_compiled_trusted(query: torch.Tensor) -> bool:
@@ -388,22 +403,30 @@ def flex_sliding_usable(query: torch.Tensor) -> bool:
 
 
 def sliding_window_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, window: int
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None,
+    window: int,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same semantics and shapes as `attention(..., window=window)`, computed by FlexAttention with a block-sparse
-    band mask (blocks wholly outside the window are skipped). Returns [B, Hq, L, Dv]. Under torch.compile where the
-    compiled kernel is not trusted (`_flex_compiled_trusted`: CPU) it computes `attention(..., window=window)`
-    instead; eager FlexAttention (its reference path, slow) runs anywhere."""
+    """Same semantics and shapes as `attention(..., window=window, mask=mask)`, computed by FlexAttention with a
+    block-sparse mask (blocks with no visible pair are skipped; a query row that sees no key gives 0). Returns
+    [B, Hq, L, Dv]. Under torch.compile where the compiled kernel is not trusted (`_flex_compiled_trusted`: CPU) it
+    computes `attention(...)` instead; eager FlexAttention (its reference path, slow, forward only on CPU) runs
+    anywhere."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if window is None:
         raise ValueError("g4ops.sliding_window_attention: window must be a positive int, got None")
-    _check(query, key, value, window, CHUNK)
+    _check(query, key, value, window, CHUNK, mask)
     if torch.compiler.is_compiling() and not _flex_compiled_trusted(query):
         # not a raise: without fullgraph Dynamo would skip this frame and still compile flex_attention's own frame,
         # the wrong kernel (measured)
-        return attention(query, key, value, scale, window=window)
-    block_mask = band_block_mask(query.shape[2], key.shape[2], window, query.device)
+        return attention(query, key, value, scale, window=window, mask=mask)
+    if mask is not None:  # one mask per batch row: the kernel indexes it with the row's batch index
+        mask = mask.expand(query.shape[0], 1, *mask.shape[2:])
+    block_mask = band_block_mask(query.shape[2], key.shape[2], window, query.device, mask)
     return flex_attention(
         query, key, value, block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
     )

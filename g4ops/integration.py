@@ -25,8 +25,9 @@ This is the only module that knows transformers' Gemma-4 class names and quirks 
   `enable(model, attention=True)` switches that model's Gemma-4 text attention from "sdpa" to it. It runs
   `g4ops.attention` (exact, GEMM-chunked, any head_dim) on the full-attention layers for training and prefill, with
   stock's padding or packed-sequence mask where there is one; on the sliding layers of such a call without a mask
-  FlexAttention over the window's band when compiled on CUDA, else stock SDPA with the dense window mask; and stock
-  SDPA with the mask stock would have built everywhere else (section "Attention" below).
+  FlexAttention over the window's band when compiled on CUDA (with a mask too, narrowed by it, where
+  `MASKED_SLIDING_VIA_FLEX` is on), else stock SDPA with the dense window mask; and stock SDPA with the mask stock
+  would have built everywhere else (section "Attention" below).
 
 - Decode: `Gemma4ForCausalLM.generate` (and the multimodal class's, for text-only calls) is wrapped so that calls on
   CUDA that the decoder reproduces exactly (greedy or sampled, default or static cache: g4ops/decode.py says which)
@@ -527,8 +528,9 @@ def _unpatch_module(module: nn.Module) -> None:
 # layers: transformers forbids the is_causal skip for those), so the attention receives mask None plus its
 # `sliding_window`; full layers then run g4ops.attention, sliding layers FlexAttention (compiled CUDA) or stock sdpa
 # with the pattern as a dense mask (cuDNN, faster than g4ops.attention there). Everything else gets stock sdpa's
-# mask: on a full layer of a call with queries = keys (padding, packed sequences) g4ops.attention runs with that
-# mask, elsewhere stock sdpa attention. A None mask then always means "causal, queries bottom-right aligned". Stock
+# mask: on a call with queries = keys (padding, packed sequences) g4ops.attention runs with that mask on a full
+# layer and FlexAttention on a sliding one (compiled CUDA, `MASKED_SLIDING_VIA_FLEX`), elsewhere stock sdpa
+# attention. A None mask then always means "causal, queries bottom-right aligned". Stock
 # sdpa may also skip its mask for a
 # static-cache prefill (L < S, top-left aligned); we never let it for L > 1, because transformers 5.24 slices the
 # queries of KV-shared layers to the last rows when the mask is None under any implementation not named "sdpa",
@@ -552,6 +554,10 @@ ATTENTION = "g4ops"
 # Sliding layers of a compiled CUDA model run FlexAttention with a block-sparse band (g4ops.attention's section on
 # it); False keeps them on stock SDPA with the dense mask (benchmarks compare the two).
 SLIDING_VIA_FLEX = True
+# ... and so do those of a padded or packed batch, the band narrowed by its mask. Off until that path has run on a
+# GPU: written and tested on CPU only (2026-12-05: FlexAttention's eager forward and the traced graph; its CUDA tests
+# in tests/test_attention.py and tests/test_packing.py turn it on).
+MASKED_SLIDING_VIA_FLEX = False
 _switched_configs: list[weakref.ref] = []  # Gemma-4 text configs enable(model) moved from "sdpa" to "g4ops"
 
 
@@ -710,19 +716,24 @@ def g4ops_attention_forward(
     plain = dropout == 0.0 and not kwargs.get("output_attentions") and all(
         kwargs.get(name) is None for name in ("softcap", "position_bias")
     )
-    # a full layer of a training-shaped call (queries = keys, from position 0) with padding or packed sequences:
-    # g4ops.attention with the mask, where stock's head_dim-512 SDPA is its slow mem-efficient kernel. Only for
-    # causal-only masks: transformers' full-layer masks narrow the causal pattern unless a config asks for
-    # bidirectional (vision) blocks, which g4ops.attention would not compute (it sees no key past a query).
+    # A training-shaped call (queries = keys, from position 0) with padding or packed sequences: on a full layer
+    # g4ops.attention with the mask, where stock's head_dim-512 SDPA is its slow mem-efficient kernel; on a sliding
+    # layer longer than the window (as without a mask, below) FlexAttention with the mask inside the band where it is
+    # usable and turned on (MASKED_SLIDING_VIA_FLEX), where SDPA computes every pair of the dense mask. Only for causal-only masks: transformers' masks narrow the causal (sliding) pattern unless a config
+    # asks for bidirectional (vision) blocks, which neither would compute (they see no key past a query).
     # Mixed dtypes (autocast: bf16 value beside fp32 query) stay on stock SDPA, which autocast casts.
-    full_masked = (plain and causal and sliding_window is None and q_len == kv_len
-                   and query.dtype == key.dtype == value.dtype
-                   and getattr(getattr(module, "config", None), "use_bidirectional_attention", None) is None)  # fmt: skip
+    training_masked = (plain and causal and q_len == kv_len and query.dtype == key.dtype == value.dtype
+                       and getattr(getattr(module, "config", None), "use_bidirectional_attention", None) is None)  # fmt: skip
 
     def masked(mask, every_row_sees_a_key: bool = False):
-        if (full_masked and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+        if (training_masked and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
                 and mask.shape[0] in (1, query.shape[0]) and mask.shape[2:] == (q_len, kv_len)):  # fmt: skip
-            return attention(query, key, value, scale=scaling, mask=mask).transpose(1, 2).contiguous(), None
+            if sliding_window is None:
+                return attention(query, key, value, scale=scaling, mask=mask).transpose(1, 2).contiguous(), None
+            if (SLIDING_VIA_FLEX and MASKED_SLIDING_VIA_FLEX and q_len > sliding_window
+                    and flex_sliding_usable(query)):  # fmt: skip
+                out = sliding_window_attention(query, key, value, scaling, sliding_window, mask=mask)
+                return out.transpose(1, 2).contiguous(), None
         return stock(mask, every_row_sees_a_key)
 
     segments = _packed_segments(position_ids, q_len, kv_len, attention_mask is not None)

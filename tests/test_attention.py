@@ -323,9 +323,9 @@ FLEX_CASES = [
 ]
 
 
-def flex_compiled(q, k, v, scale, window, chunk):
+def flex_compiled(q, k, v, scale, window, chunk, mask=None):
     return torch.compile(attention_module.sliding_window_attention, fullgraph=True, dynamic=False)(
-        q, k, v, scale, window
+        q, k, v, scale, window, mask
     )
 
 
@@ -360,12 +360,106 @@ def test_flex_sliding_forward_matches_fp64_oracle_on_cpu(config):
     assert O.rel_err(out, ref) <= 1e-12
 
 
-def _listed_blocks(num_blocks: torch.Tensor, indices: torch.Tensor, kv_blocks: int) -> torch.Tensor:
-    """[q blocks, kv blocks] bool from a BlockMask's (num, indices) pair of batch 0, head 0."""
+# (B, Hq, Hkv, L, S, D, window, kind): packing (several sequences per row, one mask broadcast over the batch),
+# both paddings with a row that sees no key, windows inside one block and across the 128-token blocks, L < S
+FLEX_MASK_CASES = [
+    (3, 4, 1, 45, 45, 16, 7, "packed"),
+    (3, 4, 1, 40, 40, 16, 5, "left"),
+    (3, 8, 2, 41, 41, 16, 9, "right"),
+    (2, 4, 2, 300, 300, 32, 64, "packed-broadcast"),
+    (2, 4, 1, 9, 20, 16, 5, "right"),
+]
+
+
+def _flex_mask_id(c):
+    return "B{}-H{}x{}-L{}-S{}-D{}-w{}-{}".format(*c)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("config", FLEX_MASK_CASES + [(1, 8, 2, 1030, 1030, 256, 512, "packed")], ids=_flex_mask_id)
+def test_flex_sliding_with_a_mask_matches_fp64_oracle_and_is_no_worse_than_stock_sdpa(dtype, config):
+    """A padded or packed batch's sliding layer (the last case: E4B's) through compiled FlexAttention, forward and
+    gradients, a fresh mask per draw."""
+    *shape, kind = config
+    b, hq, hkv, q_len, kv_len, d, window = shape
+    torch._dynamo.reset()
+    draws = max(2, min(8, 4096 // (b * hq * q_len * d)))
+    check_against_oracle_and_stock("cuda", dtype, *shape, None, seed=5, draws=draws, scale=1.0, impl=flex_compiled,
+                                   make_mask=mask_maker(b, q_len, kv_len, kind))  # fmt: skip
+
+
+@pytest.mark.parametrize("config", FLEX_MASK_CASES, ids=_flex_mask_id)
+def test_flex_sliding_forward_with_a_mask_matches_fp64_oracle_on_cpu(config):
+    """FlexAttention's eager path (its CPU forward) with the mask inside the band: rows that see no key give 0."""
+    *shape, kind = config
+    b, hq, hkv, q_len, kv_len, d, window = shape
+    gen = _gen(17)
+    mask = mask_maker(b, q_len, kv_len, kind)(gen)
+    q = transformer_view(b, q_len, hq, d, F64, gen, "cpu")
+    k = transformer_view(b, kv_len, hkv, d, F64, gen, "cpu")
+    v = O.make_tensor((b, kv_len, hkv, 2 * d), F64, gen).transpose(1, 2)  # value head_dim != query's
+    ref = oracle(q, k, v, 0.7, window, torch.ones(b, hq, q_len, 2 * d, dtype=F64), mask=mask)[0]
+    out = attention_module.sliding_window_attention(q, k, v, 0.7, window, mask=mask)
+    assert out.shape == ref.shape
+    assert O.rel_err(out, ref) <= 1e-12
+    empty = ~seen_by(q_len, kv_len, window, mask, "cpu").any(-1)  # [B or 1, 1, L]
+    assert (out.transpose(1, 2)[empty.expand(b, 1, q_len).transpose(1, 2).squeeze(-1)] == 0).all()
+
+
+def test_flex_sliding_with_a_mask_traces_into_one_graph(monkeypatch):
+    """What the compiled CUDA model traces, traced on CPU (Dynamo and AOTAutograd, no Inductor; forward only, as CPU
+    FlexAttention has no backward): one graph with flex_attention reading the mask as a captured input, and the
+    oracle's result."""
+    monkeypatch.setattr(attention_module, "_flex_compiled_trusted", lambda query: True)
+    b, hq, hkv, length, d, window = 3, 4, 1, 45, 16, 7
+    gen = _gen(19)
+    mask = mask_maker(b, length, length, "left")(gen)
+    q = transformer_view(b, length, hq, d, F64, gen, "cpu")
+    k, v = (transformer_view(b, length, hkv, d, F64, gen, "cpu") for _ in "kv")
+    ref = oracle(q, k, v, 0.7, window, torch.ones(b, hq, length, d, dtype=F64), mask=mask)[0]
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(attention_module.sliding_window_attention, fullgraph=True, backend=backend)(
+            q, k, v, 0.7, window, mask
+        )
+    [graph] = graphs
+    [flex] = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.flex_attention]
+    assert any(isinstance(a, torch.fx.Node) and a.meta["example_value"].shape == mask.shape
+               for a in flex.args[-1]), flex.args[-1]  # fmt: skip
+    assert O.rel_err(out, ref) <= 1e-12
+
+
+def _listed_blocks(num_blocks: torch.Tensor, indices: torch.Tensor, kv_blocks: int, batch: int = 0) -> torch.Tensor:
+    """[q blocks, kv blocks] bool from a BlockMask's (num, indices) pair of one batch row, head 0."""
     listed = torch.zeros(num_blocks.shape[-1], kv_blocks, dtype=torch.bool)
-    for row, (count, cols) in enumerate(zip(num_blocks[0, 0].tolist(), indices[0, 0].tolist())):
+    for row, (count, cols) in enumerate(zip(num_blocks[batch, 0].tolist(), indices[batch, 0].tolist())):
         listed[row, cols[:count]] = True
     return listed
+
+
+def _assert_blocks_list(block_mask, seen: torch.Tensor, batch: int = 0) -> None:
+    """Every block with a visible pair of `seen` ([L, S] bool) is listed, a block listed as full (where
+    flex_attention skips the mask_mod) is visible entirely, and a partial block has a visible pair."""
+    (q_len, kv_len), (q_block, kv_block) = seen.shape, block_mask.BLOCK_SIZE
+    rows, cols = -(-q_len // q_block), -(-kv_len // kv_block)
+    padded = torch.zeros(rows * q_block, cols * kv_block, dtype=torch.bool)
+    padded[:q_len, :kv_len] = seen.cpu()
+    tiles = padded.view(rows, q_block, cols, kv_block).transpose(1, 2)
+    any_seen, all_seen = tiles.any((-1, -2)), tiles.all((-1, -2))
+    # all_seen of a tile cut by the sequence end counts the padding as unseen; such a tile is never full
+    partial = _listed_blocks(block_mask.kv_num_blocks.cpu(), block_mask.kv_indices.cpu(), cols, batch)
+    full = _listed_blocks(block_mask.full_kv_num_blocks.cpu(), block_mask.full_kv_indices.cpu(), cols, batch)
+    assert not (partial & full).any(), "a block listed both partial and full"
+    assert torch.equal(partial | full, any_seen), "listed blocks != blocks with a visible pair"
+    assert torch.equal(full, all_seen), "full blocks != wholly visible blocks"
 
 
 # (L, S, window): lengths off the 128-token block size (one block, a partial last block, L = 8 mod 16 as the AVX2
@@ -386,19 +480,23 @@ def test_band_block_mask_is_the_dense_band(device, case):
     q_idx = torch.arange(q_len, device=device)[:, None]
     kv_idx = torch.arange(kv_len, device=device)[None, :]
     assert torch.equal(block_mask.mask_mod(0, 0, q_idx, kv_idx).expand_as(band), band)
+    _assert_blocks_list(block_mask, band)
 
-    q_block, kv_block = block_mask.BLOCK_SIZE
-    rows, cols = -(-q_len // q_block), -(-kv_len // kv_block)
-    padded = torch.zeros(rows * q_block, cols * kv_block, dtype=torch.bool)
-    padded[:q_len, :kv_len] = band.cpu()
-    tiles = padded.view(rows, q_block, cols, kv_block).transpose(1, 2)
-    any_seen, all_seen = tiles.any((-1, -2)), tiles.all((-1, -2))
-    # all_seen of a tile cut by the sequence end counts the padding as unseen; such a tile is never full
-    partial = _listed_blocks(block_mask.kv_num_blocks.cpu(), block_mask.kv_indices.cpu(), cols)
-    full = _listed_blocks(block_mask.full_kv_num_blocks.cpu(), block_mask.full_kv_indices.cpu(), cols)
-    assert not (partial & full).any(), "a block listed both partial and full"
-    assert torch.equal(partial | full, any_seen), "listed blocks != blocks with a visible pair"
-    assert torch.equal(full, all_seen), "full blocks != wholly visible blocks"
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["packed", "left", "right"])
+def test_band_block_mask_with_a_mask_is_the_band_and_the_mask(device, kind):
+    """Per batch row: the mask_mod is band & mask token for token, and the listed blocks are those of that row's
+    visible pairs (packed sequences leave the blocks across their boundaries out; a row that sees nothing, none)."""
+    b, length, window = 3, 300, 100
+    mask = mask_maker(b, length, length, kind)(_gen(18)).to(device)
+    block_mask = attention_module.band_block_mask(length, length, window, device, mask)
+    q_idx = torch.arange(length, device=device)[:, None]
+    kv_idx = torch.arange(length, device=device)[None, :]
+    for row in range(b):
+        seen = visible(length, length, window, device) & mask[row, 0]
+        assert torch.equal(block_mask.mask_mod(row, 0, q_idx, kv_idx), seen), row
+        _assert_blocks_list(block_mask, seen, row)
 
 
 @pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks"])
@@ -425,15 +523,18 @@ def test_compiled_sliding_window_attention_on_cpu_is_exact(fullgraph):
 def test_flex_sliding_compiles_across_sequence_lengths_on_cuda():
     """The second length recompiles with symbolic shapes; an offset expression inside the mask_mod failed Inductor's
     lowering there (torch 2.13). Lengths off the 128-token block size, the ones CPU's AVX2 kernel got wrong among
-    them, and one over several blocks (a partial last block)."""
-    torch._dynamo.reset()
-    compiled = torch.compile(attention_module.sliding_window_attention, fullgraph=True)
+    them, and one over several blocks (a partial last block); without and with a mask."""
     gen = _gen(12)
-    for length in (40, 56, 72, 300):
-        q, k, v = (transformer_view(1, length, h, 16, torch.float32, gen, "cuda") for h in (4, 2, 2))
-        with torch.no_grad():
-            out = compiled(q, k, v, 1.0, 8)
-        assert O.rel_err(out, attention(q, k, v, 1.0, 8)) <= O.tolerance(torch.float32, 8 * 16), length
+    for masked in (False, True):  # a packed-sequence mask of each length too (symbolic in the mask_mod's buffer)
+        torch._dynamo.reset()
+        compiled = torch.compile(attention_module.sliding_window_attention, fullgraph=True)
+        for length in (40, 56, 72, 300):
+            q, k, v = (transformer_view(2, length, h, 16, torch.float32, gen, "cuda") for h in (4, 2, 2))
+            mask = packed_mask(2, length, gen).cuda() if masked else None
+            with torch.no_grad():
+                out = compiled(q, k, v, 1.0, 8, mask)
+            expected = attention(q, k, v, 1.0, 8, mask=mask)
+            assert O.rel_err(out, expected) <= O.tolerance(torch.float32, 8 * 16), (length, masked)
 
 
 @pytest.mark.parametrize("capability, usable", [((9, 0), True), ((8, 0), False)])
@@ -639,13 +740,14 @@ def kernel_calls(monkeypatch):
 
 @pytest.fixture
 def flex_calls(monkeypatch):
-    """The window of every sliding_window_attention call (the integration imports it from the module at call time)."""
+    """The window of every sliding_window_attention call, (window, "masked") for one with a mask (the integration
+    imports it from the module at call time)."""
     calls = []
     real = attention_module.sliding_window_attention
 
-    def spy(query, key, value, scale, window):
-        calls.append(window)
-        return real(query, key, value, scale, window)
+    def spy(query, key, value, scale, window, mask=None):
+        calls.append(window if mask is None else (window, "masked"))
+        return real(query, key, value, scale, window, mask)
 
     monkeypatch.setattr(attention_module, "sliding_window_attention", spy)
     return calls

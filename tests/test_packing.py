@@ -400,8 +400,52 @@ def test_compiled_packed_training_matches_eager_and_a_cache_is_refused():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_compiled_packed_training_on_cuda_with_inductor():
+@pytest.mark.parametrize("masked_flex", [False, True], ids=["sdpa-sliding", "flex-sliding"])
+def test_compiled_packed_training_on_cuda_with_inductor(monkeypatch, flex_masks, masked_flex):
+    monkeypatch.setattr(integration, "MASKED_SLIDING_VIA_FLEX", masked_flex)
     _compiled_packed_training("cuda", "inductor")
+    # with it on, the sliding layers ran FlexAttention with the packed mask
+    assert flex_masks == ([True] * len(flex_masks) if masked_flex else []) and (flex_masks or not masked_flex)
+
+
+@pytest.fixture
+def flex_masks(monkeypatch):
+    """For every sliding_window_attention call, whether it got a mask (the integration imports it at call time)."""
+    from g4ops import attention as attention_module
+
+    calls, real = [], attention_module.sliding_window_attention
+
+    def spy(*args, mask=None):
+        calls.append(mask is not None)
+        return real(*args, mask=mask)
+
+    monkeypatch.setattr(attention_module, "sliding_window_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("layout", ["packed-transformers", "packed-trl", "right-padded", "left-padded"])
+def test_sliding_layers_on_flex_with_the_batch_mask_equal_each_sequence_alone(monkeypatch, flex_masks, layout):
+    """Where FlexAttention is usable (compiled CUDA) and MASKED_SLIDING_VIA_FLEX is on, a padded or packed batch's
+    sliding layers run it with the batch's mask inside the band. FlexAttention's CPU forward (eager; it has no CPU backward) stands in here, in fp64: every
+    sliding layer takes it with the mask, and the real tokens' logits equal each sequence's alone (the pad run of 9
+    leaves sliding rows without a key: they give 0, as on the stock path). Compiled with its gradients on CUDA:
+    test_compiled_packed_training_on_cuda_with_inductor and tests/test_attention.py."""
+    from g4ops import attention as attention_module
+
+    seqs, (_, logits0, _) = _oracle("cpu")
+    batch, places = BATCHES[layout]([s.cpu() for s in seqs])
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    monkeypatch.setattr(attention_module, "flex_sliding_usable", lambda query: True)
+    model = _g4ops_model(F64, "cpu")
+    with torch.no_grad():
+        model(**inputs, use_cache=False)
+        assert not flex_masks, "MASKED_SLIDING_VIA_FLEX is off by default"
+        monkeypatch.setattr(integration, "MASKED_SLIDING_VIA_FLEX", True)
+        logits = model(**inputs, use_cache=False).logits
+    assert flex_masks == [True] * model.config.layer_types.count("sliding_attention"), flex_masks
+    ours = torch.cat([logits[row, at] for row, at in places])
+    bound = O.tolerance(torch.float32, k=model.config.vocab_size) if layout in SHIFTED_POSITIONS else EXACT
+    assert O.rel_err(ours, torch.cat(logits0)) <= bound
 
 
 _PACKED_WITH_A_CACHE_CHILD = """
