@@ -10,6 +10,7 @@ synced wall >> wall means host work before a step's first kernel, which back-to-
     python bench/profile_steps.py --layers 42 --parts train --lora 16 --attention --train-modes compiled
                                   # a LoRA finetune step: is it host-bound (wall >> GPU busy)?
     python bench/profile_steps.py --layers 4 --parts train --lora 16 --attention --layout packed
+    python bench/profile_steps.py --layers 6 --parts train --lora 16 --attention --layout packed --sliding flex-masked
 
 `graph`: the compiled step of the CUDA-graphed decoder. Its wall time per token is measured on graph replays
 (`generate`, no profiler); the kernel table comes from the same compiled step run without the graph, so it lists
@@ -141,6 +142,9 @@ def main():
     parser.add_argument("--lora", type=int, default=0, metavar="R",
                         help="train: peft LoRA of rank R on every projection (bench/e2e.py's setup), both variants")
     parser.add_argument("--attention", action="store_true", help="g4ops variant: enable(model, attention=True)")
+    parser.add_argument("--sliding", choices=["flex", "stock", "flex-masked"], default="flex",
+                        help="with --attention, compiled: sliding layers on FlexAttention or stock SDPA; flex-masked: "
+                             "also those of padded and packed batches (bench/e2e.py's switch)")
     parser.add_argument("--layout", choices=["single", "padded", "packed"], default="single",
                         help="train: bench/e2e.py's batch layouts (padded, packed: 4 sequences in --tokens)")
     parser.add_argument("--host-top", type=int, default=0, metavar="N",
@@ -154,6 +158,8 @@ def main():
         patches = None
         if variant == "g4ops":
             patches = g4ops.enable(model, attention=True) if args.attention else g4ops.enable()
+            g4ops.integration.SLIDING_VIA_FLEX = args.sliding != "stock"
+            g4ops.integration.MASKED_SLIDING_VIA_FLEX = args.sliding == "flex-masked"
         if "decode" in parts:
             torch._dynamo.reset()
             r = _profile(decode_case(model, 1, args.new_tokens), steps=2, top=args.top)

@@ -171,9 +171,11 @@ def _norm_weight(norm):
 
 
 def norm_eps(norm) -> float:
-    """A Gemma4RMSNorm's epsilon: `eps` through transformers 5.24, `variance_epsilon` from 5.25."""
-    eps = getattr(norm, "eps", None)
-    return norm.variance_epsilon if eps is None else eps
+    """A Gemma4RMSNorm's epsilon: `eps` through transformers 5.24, `variance_epsilon` from 5.25. Read from the
+    instance dict: probing a missing attribute of a module (`getattr(norm, "eps", None)`) becomes a compiled step's
+    "not hasattr" guard, which runs nn.Module.__getattr__ and raises inside every guard check."""
+    attrs = vars(norm)
+    return attrs["eps"] if "eps" in attrs else attrs["variance_epsilon"]
 
 
 def _make_decoder_layer_forward(stock_forward):

@@ -838,8 +838,12 @@ def lora_linear(x, weight, adapters=()) -> torch.Tensor:
 
 
 def is_peft_lora_layer(module) -> bool:
-    """Any peft LoRA layer (plain, quantized, conv, ...): it has a base layer and lora_A/lora_B dicts."""
-    return hasattr(module, "base_layer") and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+    """Any peft LoRA layer (plain, quantized, conv, ...): it has a base layer and lora_A/lora_B dicts (submodules,
+    looked up in `_modules`: `hasattr` on a plain nn.Linear would become a compiled step's "not hasattr" guard, which
+    runs nn.Module.__getattr__ and raises inside every guard check)."""
+    submodules = getattr(module, "_modules", None)
+    return (submodules is not None and "base_layer" in submodules
+            and isinstance(submodules.get("lora_A"), nn.ModuleDict))  # fmt: skip
 
 
 def is_plain_lora_linear(module) -> bool:
@@ -856,7 +860,9 @@ def projection_terms(layer, is_plain_linear, x_dtype, from_our_forward: bool = F
     foreign_forward = "forward" in vars(layer) and not from_our_forward
     if foreign_forward or layer._forward_hooks or layer._forward_pre_hooks:
         return "the peft layer has hooks or its own forward (e.g. peft's mixed-batch adapter_names)"
-    base = layer.get_base_layer()
+    # the direct base layer, not peft's get_base_layer() (which probes hasattr(..., "base_layer") down to a plain
+    # module: a "not hasattr" guard under compile, see is_peft_lora_layer); a nested tuner layer is not plain
+    base = layer._modules["base_layer"]
     if not is_plain_linear(base):
         return f"its base layer is {type(base).__name__}, not a plain bias-free nn.Linear"
     if getattr(layer, "fan_in_fan_out", False):

@@ -328,3 +328,16 @@ def test_engine_bench_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert [row["concurrency"] for row in result["load"]] == [1, 4]
     assert all(row["output_tok_s"] > 0 and row["requests"] == 2 * row["concurrency"] for row in result["load"])
+
+
+def test_guard_time_smoke(tmp_path):
+    """The guard-check timer runs both variants (Dynamo's guards, no kernels compiled: backend eager), each check
+    passes on the step's own arguments, and g4ops adds no missing-attribute guard on a module."""
+    out = tmp_path / "guards.json"
+    _run(["bench/guard_time.py", "--layers", "2", "--lora", "4", "--backend", "eager", "--calls", "5",
+          "--repeats", "2", "--json", str(out)], tmp_path)  # fmt: skip
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"stock", "g4ops"}
+    assert all(r["guard_check_ms"] > 0 and r["guards"] > 0 for r in rows.values()), rows
+    assert set(rows["g4ops"]["missing_attribute_guards_on_modules"]) <= set(
+        rows["stock"]["missing_attribute_guards_on_modules"]), rows  # fmt: skip
