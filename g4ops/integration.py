@@ -721,8 +721,9 @@ def g4ops_attention_forward(
     # A training-shaped call (queries = keys, from position 0) with padding or packed sequences: on a full layer
     # g4ops.attention with the mask, where stock's head_dim-512 SDPA is its slow mem-efficient kernel; on a sliding
     # layer longer than the window (as without a mask, below) FlexAttention with the mask inside the band where it is
-    # usable and turned on (MASKED_SLIDING_VIA_FLEX), where SDPA computes every pair of the dense mask. Only for causal-only masks: transformers' masks narrow the causal (sliding) pattern unless a config
-    # asks for bidirectional (vision) blocks, which neither would compute (they see no key past a query).
+    # usable and turned on (MASKED_SLIDING_VIA_FLEX), where SDPA computes every pair of the dense mask. Only for
+    # causal-only masks: transformers' masks narrow the causal (sliding) pattern unless a config asks for
+    # bidirectional (vision) blocks, which neither would compute (they see no key past a query).
     # Mixed dtypes (autocast: bf16 value beside fp32 query) stay on stock SDPA, which autocast casts.
     training_masked = (plain and causal and q_len == kv_len and query.dtype == key.dtype == value.dtype
                        and getattr(getattr(module, "config", None), "use_bidirectional_attention", None) is None)  # fmt: skip
