@@ -5,15 +5,16 @@ attributes and the inputs still what was traced?). A synced step exposes that ti
 the previous step's kernels. This script compiles one forward + backward of an E4B-shaped or tiny model per variant
 (stock; g4ops with `enable(model, attention=True)`), then calls the cached graph's guard manager on the forward's own
 arguments many times: no profiler in the loop, whose per-event cost inflates the number (torch.profiler's
-"TorchDynamo Cache Lookup" read 9.0 ms for a 42-layer LoRA step that this timing put at 3.1 ms, CPU, 2026-12-05).
+"TorchDynamo Cache Lookup" read 9.0 ms for a 42-layer LoRA step whose check this timing put at 2.3-3.1 ms, CPU,
+2026-12-05).
 It also counts the guards by type, and the "not hasattr" guards on modules (each runs nn.Module.__getattr__ and
 raises on every check).
 
     python bench/guard_time.py --layers 42 --lora 16 --backend eager --json guards.json   # CPU, ~3 min
     python bench/guard_time.py --device cuda --shape e4b --layers 42 --lora 16                  # the H200's host
 
-Each variant runs in this process one after the other (Dynamo is reset between them). Times are the minimum over
-`--repeats` rounds of `--calls` checks (the least disturbed round: on a shared 2-core machine medians drift).
+Each variant runs in its own process (`_in_own_process` says why). Times are the minimum over `--repeats` rounds of
+`--calls` checks (the least disturbed round: on a shared 2-core machine medians drift).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ import collections
 import gc
 import inspect
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -30,6 +35,7 @@ import torch
 import g4ops
 from g4ops.models import build_model
 
+SETUP = ("shape", "layers", "lora", "seq", "dtype", "device", "backend")
 
 def _model(args, variant: str):
     model = build_model(args.shape, num_layers=args.layers, dtype=getattr(torch, args.dtype), device=args.device)
@@ -94,6 +100,19 @@ def measure(args, variant: str) -> dict:
                 missing_attribute_guards_on_modules=dict(missing), first_step_s=compile_s)  # fmt: skip
 
 
+def _in_own_process(args, variant: str) -> dict:
+    """`measure` for one variant in a fresh process: measured one after the other in one process, the second
+    variant's check read up to 4x slower in some runs, whichever variant came second (CPU, 2026-12-05)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "row.json")
+        command = [sys.executable, __file__, "--variants", variant, "--row-out", out]
+        for name in SETUP + ("calls", "repeats"):
+            command += [f"--{name}", str(getattr(args, name))]
+        subprocess.run(command, check=True)
+        with open(out) as f:
+            return json.load(f)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="tiny-e4b", help="g4ops.models shape (e4b, tiny-e4b, ...)")
@@ -108,17 +127,21 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--row-out", help=argparse.SUPPRESS)  # internal: one variant's row, from its own process
     args = ap.parse_args()
+    if args.row_out:
+        with open(args.row_out, "w") as f:
+            json.dump(measure(args, args.variants), f)
+        return
     rows = []
     for variant in args.variants.split(","):
-        row = measure(args, variant)
+        row = _in_own_process(args, variant)
         rows.append(row)
-        g4ops.disable()
         print(f"{variant}: guard check {row['guard_check_ms']:.3f} ms (median {row['guard_check_median_ms']:.3f}), "
               f"{row['guards']} guards, missing-attribute guards on modules: "
               f"{row['missing_attribute_guards_on_modules'] or 'none'}", flush=True)  # fmt: skip
     if args.json:
-        setup = {k: getattr(args, k) for k in ("shape", "layers", "lora", "seq", "dtype", "device", "backend")}
+        setup = {k: getattr(args, k) for k in SETUP}
         meta = dict(setup, torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
         with open(args.json, "w") as f:
             json.dump({"setup": meta, "rows": rows}, f, indent=1)

@@ -338,8 +338,8 @@ def test_compiled_lora_step_has_no_missing_attribute_guards_on_modules():
     """g4ops' per-call checks (is this norm, projection, adapter still the kind the fused path reproduces?) become
     guards of the compiled step, checked before every call. A check that probes a module for an attribute it lacks
     (`hasattr`, `getattr(m, name, default)`) becomes a "not hasattr" guard, which runs nn.Module.__getattr__ and
-    raises AttributeError inside every guard check: such probes made a 42-layer LoRA step's guard check 3.4x stock's
-    (4.3 against 1.3 ms, CPU, bench/results/2026-12-05-cpu-session28.md). None are left: every missing-attribute
+    raises AttributeError inside every guard check: such probes made a 42-layer LoRA step's guard check 2.0x stock's
+    (2.3 against 1.2 ms, CPU, bench/results/2026-12-05-cpu-session28.md). None are left: every missing-attribute
     guard on a module is stock's own."""
     peft = pytest.importorskip("peft")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
