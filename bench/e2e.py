@@ -419,6 +419,19 @@ def lora_model(model, rank: int):
     return peft.get_peft_model(model, config)
 
 
+def add_sliding_arg(parser) -> None:
+    """`--sliding`, the g4ops attention's sliding-layer path (this script's and profile_steps.py's)."""
+    parser.add_argument("--sliding", choices=["flex", "stock", "flex-masked"], default="flex",
+                        help="with g4ops attention, compiled on CUDA: sliding layers on FlexAttention or stock SDPA; "
+                             "flex-masked: also those of padded and packed batches (MASKED_SLIDING_VIA_FLEX)")
+
+
+def use_sliding(choice: str) -> None:
+    """Set g4ops.integration's sliding-layer switches for a `--sliding` choice."""
+    g4ops.integration.SLIDING_VIA_FLEX = choice != "stock"
+    g4ops.integration.MASKED_SLIDING_VIA_FLEX = choice == "flex-masked"
+
+
 def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -> list[dict]:
     """One row per `--optimizers` entry, all on one model built and compiled once (a 42-layer compile takes
     minutes; the forward + backward graph does not depend on the optimizer). Each optimizer starts from the initial
@@ -433,8 +446,7 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
             state["model"] = model = model_for(args).train()
             if use_g4ops and args.g4ops_attention:
                 g4ops.enable(model, attention=True)  # also switch its attention to g4ops' implementation
-                g4ops.integration.SLIDING_VIA_FLEX = args.sliding != "stock"
-                g4ops.integration.MASKED_SLIDING_VIA_FLEX = args.sliding == "flex-masked"
+                use_sliding(args.sliding)
                 on_flex = variant.endswith("compile") and args.device.startswith("cuda")
                 common["sliding"] = args.sliding if on_flex else "stock"
             common["attention"] = model.config._attn_implementation
@@ -803,9 +815,7 @@ def parse_args(argv=None):
     ap.add_argument("--lora-attention", choices=["g4ops", "peft"], default="g4ops",
                     help="--lora, g4ops variants: the attention projections' LoRA layers through g4ops.lora_linear "
                          "(enable(model) after peft wraps them) or peft's own forward")
-    ap.add_argument("--sliding", choices=["flex", "stock", "flex-masked"], default="flex",
-                    help="with --g4ops-attention, compiled on CUDA: sliding layers on FlexAttention or stock SDPA; "
-                         "flex-masked: also those of padded and packed batches (MASKED_SLIDING_VIA_FLEX)")
+    add_sliding_arg(ap)
     ap.add_argument("--lora", type=int, default=0, metavar="R",
                     help="train: peft LoRA of rank R on every projection instead of a full finetune (0: full)")
     ap.add_argument("--compile-mode", default="default", choices=["default", "reduce-overhead", "max-autotune"],

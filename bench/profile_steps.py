@@ -26,6 +26,7 @@ import time
 import torch
 
 import g4ops
+from e2e import add_sliding_arg, lora_model, train_batch, use_sliding  # bench/ is on sys.path when this script runs
 from g4ops.models import build_model
 
 
@@ -142,9 +143,7 @@ def main():
     parser.add_argument("--lora", type=int, default=0, metavar="R",
                         help="train: peft LoRA of rank R on every projection (bench/e2e.py's setup), both variants")
     parser.add_argument("--attention", action="store_true", help="g4ops variant: enable(model, attention=True)")
-    parser.add_argument("--sliding", choices=["flex", "stock", "flex-masked"], default="flex",
-                        help="with --attention, compiled: sliding layers on FlexAttention or stock SDPA; flex-masked: "
-                             "also those of padded and packed batches (bench/e2e.py's switch)")
+    add_sliding_arg(parser)
     parser.add_argument("--layout", choices=["single", "padded", "packed"], default="single",
                         help="train: bench/e2e.py's batch layouts (padded, packed: 4 sequences in --tokens)")
     parser.add_argument("--host-top", type=int, default=0, metavar="N",
@@ -158,8 +157,7 @@ def main():
         patches = None
         if variant == "g4ops":
             patches = g4ops.enable(model, attention=True) if args.attention else g4ops.enable()
-            g4ops.integration.SLIDING_VIA_FLEX = args.sliding != "stock"
-            g4ops.integration.MASKED_SLIDING_VIA_FLEX = args.sliding == "flex-masked"
+            use_sliding(args.sliding)
         if "decode" in parts:
             torch._dynamo.reset()
             r = _profile(decode_case(model, 1, args.new_tokens), steps=2, top=args.top)
@@ -174,15 +172,11 @@ def main():
         if "train" in parts:
             trained = model
             if args.lora:
-                from e2e import lora_model  # bench/ is on sys.path when this script runs
-
                 trained = lora_model(model, args.lora)
                 if variant == "g4ops":
                     g4ops.enable(trained)  # after peft: routes the attention projections to g4ops.lora_linear
             trained.train()
             lora = f" lora r{args.lora}" if args.lora else ""
-            from e2e import train_batch  # bench/ is on sys.path when this script runs
-
             batch_args = argparse.Namespace(layout=args.layout, model=None, shape="e4b", seed=0, device="cuda")
             for tokens in map(int, args.tokens.split(",")):
                 batch, _ = train_batch(batch_args, tokens)

@@ -426,10 +426,11 @@ def flex_masks(monkeypatch):
 @pytest.mark.parametrize("layout", ["packed-transformers", "packed-trl", "right-padded", "left-padded"])
 def test_sliding_layers_on_flex_with_the_batch_mask_equal_each_sequence_alone(monkeypatch, flex_masks, layout):
     """Where FlexAttention is usable (compiled CUDA) and MASKED_SLIDING_VIA_FLEX is on, a padded or packed batch's
-    sliding layers run it with the batch's mask inside the band. FlexAttention's CPU forward (eager; it has no CPU backward) stands in here, in fp64: every
-    sliding layer takes it with the mask, and the real tokens' logits equal each sequence's alone (the pad run of 9
-    leaves sliding rows without a key: they give 0, as on the stock path). Compiled with its gradients on CUDA:
-    test_compiled_packed_training_on_cuda_with_inductor and tests/test_attention.py."""
+    sliding layers run it with the batch's mask inside the band. FlexAttention's CPU forward (eager; it has no CPU
+    backward) stands in here, in fp64: every sliding layer takes it with the mask, and the real tokens' logits equal
+    each sequence's alone (the pad run of 9 leaves sliding rows without a key: they give 0, as on the stock path).
+    Compiled with its gradients on CUDA: test_compiled_packed_training_on_cuda_with_inductor and
+    tests/test_attention.py."""
     from g4ops import attention as attention_module
 
     seqs, (_, logits0, _) = _oracle("cpu")
