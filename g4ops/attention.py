@@ -392,6 +392,37 @@ def _flex_checked_gpu(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= FLEX_MIN_CAPABILITY
 
 
+# FlexAttention with a padding or packing mask inside the mask_mod (`sliding_window_attention(..., mask=...)`) failed
+# compiled on CUDA under torch 2.11 (the GPU image; H100, 2026-12-05, tests/test_attention.py and test_packing.py):
+# Inductor's lowering raised NoValidChoicesError for per-row masks of 3 rows, "convert FlexibleLayout to FixedLayout
+# first" for the mask a compiled model builds in its graph, and one compiled kernel ended the process's CUDA context
+# (cudaErrorInvalidAddressSpace). Never run on a GPU under a newer torch: from this version on the path is let through
+# (opt-in, integration.MASKED_SLIDING_VIA_FLEX) and its CUDA tests run, so that they decide.
+MASKED_FLEX_MIN_TORCH = (2, 12)
+_masked_flex_warned = False
+
+
+@torch.compiler.assume_constant_result  # evaluated once while tracing, a constant in the graph
+def masked_flex_supported() -> bool:
+    """Whether this torch may compile FlexAttention with a batch mask (MASKED_FLEX_MIN_TORCH); warns once when not."""
+    global _masked_flex_warned
+    from ._torch_version import torch_version
+
+    if torch_version() >= MASKED_FLEX_MIN_TORCH:
+        return True
+    if not _masked_flex_warned:
+        _masked_flex_warned = True
+        import warnings
+
+        warnings.warn(
+            f"g4ops: FlexAttention with a padding or packing mask needs torch >= {MASKED_FLEX_MIN_TORCH[0]}."
+            f"{MASKED_FLEX_MIN_TORCH[1]} (torch 2.11's Inductor failed to compile it or ran a bad kernel); torch "
+            f"{torch.__version__} is installed, so masked sliding layers keep stock SDPA with the dense mask",
+            stacklevel=2,
+        )
+    return False
+
+
 def flex_sliding_usable(query: torch.Tensor) -> bool:
     """FlexAttention is the faster sliding path only where it compiles into its fused kernel and that kernel is
     trusted: inside torch.compile (eager flex_attention materializes the full score matrix), on CUDA, on a GPU of the

@@ -556,9 +556,9 @@ ATTENTION = "g4ops"
 # Sliding layers of a compiled CUDA model run FlexAttention with a block-sparse band (g4ops.attention's section on
 # it); False keeps them on stock SDPA with the dense mask (benchmarks compare the two).
 SLIDING_VIA_FLEX = True
-# ... and so do those of a padded or packed batch, the band narrowed by its mask. Off until that path has run on a
-# GPU: written and tested on CPU only (2026-12-05: FlexAttention's eager forward and the traced graph; its CUDA tests
-# in tests/test_attention.py and tests/test_packing.py turn it on).
+# ... and so do those of a padded or packed batch, the band narrowed by its mask. Off: it passes its CPU tests
+# (FlexAttention's eager forward, the traced graph), but compiled on CUDA under torch 2.11 it failed
+# (attention.MASKED_FLEX_MIN_TORCH says how; there it stays off even when set). Its CUDA tests turn it on.
 MASKED_SLIDING_VIA_FLEX = False
 _switched_configs: list[weakref.ref] = []  # Gemma-4 text configs enable(model) moved from "sdpa" to "g4ops"
 
@@ -700,7 +700,7 @@ def g4ops_attention_forward(
     """AttentionInterface entry: query [B, Hq, L, D], key/value [B, Hkv, S, D] -> ([B, L, Hq, D], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from .attention import attention, flex_sliding_usable, sliding_window_attention
+    from .attention import attention, flex_sliding_usable, masked_flex_supported, sliding_window_attention
 
     def stock(mask, every_row_sees_a_key: bool = False):
         mask, rows = (mask, None) if every_row_sees_a_key else _open_empty_rows(mask)
@@ -734,7 +734,7 @@ def g4ops_attention_forward(
             if sliding_window is None:
                 return attention(query, key, value, scale=scaling, mask=mask).transpose(1, 2).contiguous(), None
             if (SLIDING_VIA_FLEX and MASKED_SLIDING_VIA_FLEX and q_len > sliding_window
-                    and flex_sliding_usable(query)):  # fmt: skip
+                    and flex_sliding_usable(query) and masked_flex_supported()):  # fmt: skip
                 out = sliding_window_attention(query, key, value, scaling, sliding_window, mask=mask)
                 return out.transpose(1, 2).contiguous(), None
         return stock(mask, every_row_sees_a_key)

@@ -31,7 +31,9 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 import g4ops
+from g4ops import attention as attention_module
 from g4ops import integration
+from g4ops._torch_version import torch_version
 from g4ops.models import build_model
 
 try:
@@ -195,8 +197,6 @@ def _on(batch: dict, device: str) -> dict:
 @pytest.fixture
 def kernel_masks(monkeypatch):
     """For every g4ops.attention call, whether it got a mask (the integration imports it at call time)."""
-    from g4ops import attention as attention_module
-
     calls, real = [], attention_module.attention
 
     def spy(*args, mask=None, **kwargs):
@@ -400,7 +400,10 @@ def test_compiled_packed_training_matches_eager_and_a_cache_is_refused():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("masked_flex", [False, True], ids=["sdpa-sliding", "flex-sliding"])
+@pytest.mark.parametrize("masked_flex", [False, pytest.param(True, marks=pytest.mark.skipif(
+    torch_version() < attention_module.MASKED_FLEX_MIN_TORCH, reason="compiled FlexAttention with a mask failed on "
+    "CUDA under torch 2.11 (attention.MASKED_FLEX_MIN_TORCH), where the integration never takes it"))],
+    ids=["sdpa-sliding", "flex-sliding"])  # fmt: skip
 def test_compiled_packed_training_on_cuda_with_inductor(monkeypatch, flex_masks, masked_flex):
     monkeypatch.setattr(integration, "MASKED_SLIDING_VIA_FLEX", masked_flex)
     _compiled_packed_training("cuda", "inductor")
@@ -411,8 +414,6 @@ def test_compiled_packed_training_on_cuda_with_inductor(monkeypatch, flex_masks,
 @pytest.fixture
 def flex_masks(monkeypatch):
     """For every sliding_window_attention call, whether it got a mask (the integration imports it at call time)."""
-    from g4ops import attention as attention_module
-
     calls, real = [], attention_module.sliding_window_attention
 
     def spy(*args, mask=None):
@@ -431,12 +432,11 @@ def test_sliding_layers_on_flex_with_the_batch_mask_equal_each_sequence_alone(mo
     each sequence's alone (the pad run of 9 leaves sliding rows without a key: they give 0, as on the stock path).
     Compiled with its gradients on CUDA: test_compiled_packed_training_on_cuda_with_inductor and
     tests/test_attention.py."""
-    from g4ops import attention as attention_module
-
     seqs, (_, logits0, _) = _oracle("cpu")
     batch, places = BATCHES[layout]([s.cpu() for s in seqs])
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     monkeypatch.setattr(attention_module, "flex_sliding_usable", lambda query: True)
+    monkeypatch.setattr(attention_module, "masked_flex_supported", lambda: True)  # as on torch >= 2.12
     model = _g4ops_model(F64, "cpu")
     with torch.no_grad():
         model(**inputs, use_cache=False)
@@ -447,6 +447,28 @@ def test_sliding_layers_on_flex_with_the_batch_mask_equal_each_sequence_alone(mo
     ours = torch.cat([logits[row, at] for row, at in places])
     bound = O.tolerance(torch.float32, k=model.config.vocab_size) if layout in SHIFTED_POSITIONS else EXACT
     assert O.rel_err(ours, torch.cat(logits0)) <= bound
+
+
+def test_masked_flex_stays_off_under_torch_2_11_and_says_why(monkeypatch, flex_masks):
+    """Turned on under a torch whose Inductor failed on it (2.11, attention.MASKED_FLEX_MIN_TORCH), a packed batch's
+    sliding layers keep stock SDPA, right, and one warning names the reason."""
+    import g4ops._torch_version as versions
+
+    seqs, (_, logits0, _) = _oracle("cpu")
+    batch, places = BATCHES["packed-transformers"]([s.cpu() for s in seqs])
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    monkeypatch.setattr(attention_module, "flex_sliding_usable", lambda query: True)
+    monkeypatch.setattr(versions, "torch_version", lambda: (2, 11))
+    monkeypatch.setattr(attention_module, "_masked_flex_warned", False)
+    monkeypatch.setattr(integration, "MASKED_SLIDING_VIA_FLEX", True)
+    model = _g4ops_model(F64, "cpu")
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"needs torch >= 2\.12.*stock SDPA") as caught:
+        logits = model(**inputs, use_cache=False).logits
+        model(**inputs, use_cache=False)
+    assert sum("needs torch" in str(w.message) for w in caught) == 1, "warned once"
+    assert flex_masks == []
+    ours = torch.cat([logits[row, at] for row, at in places])
+    assert O.rel_err(ours, torch.cat(logits0)) <= EXACT
 
 
 _PACKED_WITH_A_CACHE_CHILD = """
