@@ -6,6 +6,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from g4ops._torch_version import torch_version
+from g4ops.attention import MASKED_FLEX_MIN_TORCH
+
 DEVICES = [
     "cpu",
     pytest.param(
@@ -13,6 +16,13 @@ DEVICES = [
         marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")],
     ),
 ]
+
+# compiled FlexAttention with a batch mask failed on CUDA under torch 2.11 (g4ops.attention.MASKED_FLEX_MIN_TORCH),
+# where the integration never takes it; one failing kernel ended its worker's CUDA context
+NEEDS_MASKED_FLEX_TORCH = pytest.mark.skipif(
+    torch_version() < MASKED_FLEX_MIN_TORCH,
+    reason="compiled FlexAttention with a mask failed on CUDA under torch 2.11 (attention.MASKED_FLEX_MIN_TORCH)",
+)
 
 
 def capture_cuda_graph(step):

@@ -20,16 +20,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import g4ops
 from g4ops import attention as attention_module
 from g4ops import integration, reference
-from g4ops._torch_version import torch_version
 from g4ops.attention import attention
 from g4ops.models import build_model
 
 try:
     from . import oracle as O
-    from .devices import DEVICES
+    from .devices import DEVICES, NEEDS_MASKED_FLEX_TORCH
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import oracle as O
-    from devices import DEVICES
+    from devices import DEVICES, NEEDS_MASKED_FLEX_TORCH
 
 hf = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
 
@@ -363,13 +362,6 @@ def test_flex_sliding_forward_matches_fp64_oracle_on_cpu(config):
 
 # (B, Hq, Hkv, L, S, D, window, kind): packing (several sequences per row, one mask broadcast over the batch),
 # both paddings with a row that sees no key, windows inside one block and across the 128-token blocks, L < S
-# compiled FlexAttention with a batch mask fails on CUDA under torch 2.11 (attention.MASKED_FLEX_MIN_TORCH), where
-# the integration never takes it; one failing kernel ended its worker's CUDA context
-needs_masked_flex_torch = pytest.mark.skipif(
-    torch_version() < attention_module.MASKED_FLEX_MIN_TORCH,
-    reason="compiled FlexAttention with a mask failed on CUDA under torch 2.11 (attention.MASKED_FLEX_MIN_TORCH)",
-)
-
 FLEX_MASK_CASES = [
     (3, 4, 1, 45, 45, 16, 7, "packed"),
     (3, 4, 1, 40, 40, 16, 5, "left"),
@@ -391,7 +383,7 @@ FLEX_MASK_CUDA_CASES = [(dtype, c) for c in FLEX_MASK_CASES for dtype in (torch.
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@needs_masked_flex_torch
+@NEEDS_MASKED_FLEX_TORCH
 @pytest.mark.parametrize("dtype, config", FLEX_MASK_CUDA_CASES, ids=lambda c: str(c).removeprefix("torch.")
                          if isinstance(c, torch.dtype) else _flex_mask_id(c))  # fmt: skip
 def test_flex_sliding_with_a_mask_matches_fp64_oracle_and_is_no_worse_than_stock_sdpa(dtype, config):
@@ -535,7 +527,7 @@ def test_compiled_sliding_window_attention_on_cpu_is_exact(fullgraph):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("masked", [False, pytest.param(True, marks=needs_masked_flex_torch)],
+@pytest.mark.parametrize("masked", [False, pytest.param(True, marks=NEEDS_MASKED_FLEX_TORCH)],
                          ids=["band", "band-and-packed-mask"])  # fmt: skip
 def test_flex_sliding_compiles_across_sequence_lengths_on_cuda(masked):
     """The second length recompiles with symbolic shapes; an offset expression inside the mask_mod failed Inductor's

@@ -33,15 +33,14 @@ from transformers import DataCollatorWithFlattening
 import g4ops
 from g4ops import attention as attention_module
 from g4ops import integration
-from g4ops._torch_version import torch_version
 from g4ops.models import build_model
 
 try:
     from . import oracle as O
-    from .devices import DEVICES
+    from .devices import DEVICES, NEEDS_MASKED_FLEX_TORCH
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import oracle as O
-    from devices import DEVICES
+    from devices import DEVICES, NEEDS_MASKED_FLEX_TORCH
 
 F64 = torch.float64
 LENGTHS = (13, 5, 19)  # odd; 13 and 19 cross the tiny model's sliding window of 8, 5 does not
@@ -400,10 +399,8 @@ def test_compiled_packed_training_matches_eager_and_a_cache_is_refused():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("masked_flex", [False, pytest.param(True, marks=pytest.mark.skipif(
-    torch_version() < attention_module.MASKED_FLEX_MIN_TORCH, reason="compiled FlexAttention with a mask failed on "
-    "CUDA under torch 2.11 (attention.MASKED_FLEX_MIN_TORCH), where the integration never takes it"))],
-    ids=["sdpa-sliding", "flex-sliding"])  # fmt: skip
+@pytest.mark.parametrize("masked_flex", [False, pytest.param(True, marks=NEEDS_MASKED_FLEX_TORCH)],
+                         ids=["sdpa-sliding", "flex-sliding"])  # fmt: skip
 def test_compiled_packed_training_on_cuda_with_inductor(monkeypatch, flex_masks, masked_flex):
     monkeypatch.setattr(integration, "MASKED_SLIDING_VIA_FLEX", masked_flex)
     _compiled_packed_training("cuda", "inductor")
