@@ -8,6 +8,9 @@
 #   STAGES="build flex" FLEX_ARGS="--kinds full" bash bench/gpu_round.sh   # flex kernel options vs g4ops attention
 # Wheels in .whl/ (ignored: carry it) or .wheels/ are installed into /tmp/site first: the GPU image lacks
 # Liger-Kernel and the serve stack (FastAPI, Starlette, uvicorn, pydantic, openai).
+# The kernel build takes 70-90 s on each fresh machine. SAVE_BUILD=1 copies the built library to $OUT; put the file
+# that comes back into .prebuilt/ here (ignored) and carry ".prebuilt": the next call's build stage then loads it
+# (g4ops/_build.py: its name is the build's tag, so it is used only for the same sources, torch, CUDA and arch).
 set -u
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -28,6 +31,7 @@ if [ -n "$wheels" ]; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 rc=0
+_cache() { $PY -c "from g4ops._build import cache_dir; print(cache_dir())"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 if has env; then
@@ -36,6 +40,11 @@ fi
 
 if has build; then
   t0=$(date +%s)
+  for built in .prebuilt/g4ops_cuda_*.so; do
+    [ -f "$built" ] || continue
+    tag=$(basename "$built" .so); tag=${tag#g4ops_cuda_}
+    mkdir -p "$(_cache)/$tag" && cp "$built" "$(_cache)/$tag/"
+  done
   if $PY -m g4ops build --help >/dev/null 2>&1; then
     $PY -m g4ops build --verbose 2>&1 | tee "$OUT/build.log"; brc=${PIPESTATUS[0]}
   else
@@ -43,6 +52,7 @@ if has build; then
   fi
   echo "build rc=$brc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/build.log"
   if [ "$brc" != 0 ]; then echo "BUILD FAILED"; tail -60 "$OUT/build.log"; exit 1; fi
+  if [ "${SAVE_BUILD:-0}" = 1 ]; then cp "$(_cache)"/*/g4ops_cuda_*.so "$OUT/" && ls -l "$OUT"/g4ops_cuda_*.so; fi
 fi
 
 # stage NAME TIMEOUT CMD...: run CMD under a timeout, log to $OUT/NAME.log, remember a failure in rc

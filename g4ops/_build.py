@@ -45,6 +45,10 @@ def _sources() -> list[Path]:
     return sorted(p for p in CSRC_DIR.iterdir() if p.suffix in (".cpp", ".cu"))
 
 
+def _headers() -> list[Path]:
+    return sorted(p for p in CSRC_DIR.iterdir() if p.suffix in (".h", ".cuh"))
+
+
 def _arch_list() -> str:
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):
         return os.environ["TORCH_CUDA_ARCH_LIST"]
@@ -74,6 +78,28 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+_LIBRARY_SUFFIX = ".so"  # what cpp_extension.load names the library it links on Linux
+
+
+def _load_built(library: Path, verbose: bool) -> str | None:
+    """Load a library already built for this tag, without cpp_extension's ninja step: the tag names the exact
+    sources, torch, CUDA and arch, so the file is what a build would give. That holds also for a library copied in
+    from another machine (bench/gpu_round.sh's SAVE_BUILD), whose sources carry newer timestamps than it: ninja would
+    rebuild from them. None when there is none, or it does not load (a partial file: removed, then rebuilt)."""
+    if not library.is_file():
+        return None
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as exc:
+        if verbose:
+            print(f"g4ops: the cached {library} did not load ({exc}); rebuilding")
+        library.unlink()
+        return None
+    if verbose:
+        print(f"g4ops: loaded the cached build {library}")
+    return str(library)
+
+
 def build(verbose: bool = False) -> str:
     """Compile (or reuse from the cache) and load the CUDA kernels; returns the loaded library path."""
     from torch.utils import cpp_extension
@@ -97,19 +123,20 @@ def build(verbose: bool = False) -> str:
                 raise KernelBuildError(f"no .cpp/.cu sources in {CSRC_DIR}")
             arch = _arch_list()
             os.environ["TORCH_CUDA_ARCH_LIST"] = arch
-            headers = sorted(p for p in CSRC_DIR.iterdir() if p.suffix in (".h", ".cuh"))
-            tag = build_tag(sources + headers, arch)  # headers too: an edited .cuh must rebuild
+            tag = build_tag(sources + _headers(), arch)  # headers too: an edited .cuh must rebuild
             build_dir = cache_dir() / tag
             build_dir.mkdir(parents=True, exist_ok=True)
-            library = cpp_extension.load(
-                name=f"g4ops_cuda_{tag}",
-                sources=[str(p) for p in sources],
-                extra_cflags=["-O3"],
-                extra_cuda_cflags=["-O3", "-lineinfo"],
-                build_directory=str(build_dir),
-                is_python_module=False,
-                verbose=verbose,
-            )
+            library = _load_built(build_dir / f"g4ops_cuda_{tag}{_LIBRARY_SUFFIX}", verbose)
+            if library is None:
+                library = cpp_extension.load(
+                    name=f"g4ops_cuda_{tag}",
+                    sources=[str(p) for p in sources],
+                    extra_cflags=["-O3"],
+                    extra_cuda_cflags=["-O3", "-lineinfo"],
+                    build_directory=str(build_dir),
+                    is_python_module=False,
+                    verbose=verbose,
+                )
         except KernelBuildError as exc:
             _state["error"] = str(exc)
             raise
