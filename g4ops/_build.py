@@ -84,8 +84,9 @@ _LIBRARY_SUFFIX = ".so"  # what cpp_extension.load names the library it links on
 def _load_built(library: Path, verbose: bool) -> str | None:
     """Load a library already built for this tag, without cpp_extension's ninja step: the tag names the exact
     sources, torch, CUDA and arch, so the file is what a build would give. That holds also for a library copied in
-    from another machine (bench/gpu_round.sh's SAVE_BUILD), whose sources carry newer timestamps than it: ninja would
-    rebuild from them. None when there is none, or it does not load (a partial file: removed, then rebuilt)."""
+    from another machine (bench/gpu_round.sh's SAVE_BUILD), which ninja, judging by file times that a copy does not
+    keep in order, might rebuild. None when there is none, or it does not load (a partial file: removed, then
+    rebuilt)."""
     if not library.is_file():
         return None
     try:
