@@ -102,6 +102,8 @@ import traceback
 import torch
 
 import g4ops
+from g4ops._torch_version import torch_version
+from g4ops.attention import MASKED_FLEX_MIN_TORCH
 from g4ops.models import build_model, load_checkpoint, load_tokenizer, special_tokens, text_config
 
 VARIANTS = ("stock", "stock-compile", "liger", "g4ops", "g4ops-compile")
@@ -424,6 +426,13 @@ def add_sliding_arg(parser) -> None:
     parser.add_argument("--sliding", choices=["flex", "stock", "flex-masked"], default="flex",
                         help="with g4ops attention, compiled on CUDA: sliding layers on FlexAttention or stock SDPA; "
                              "flex-masked: also those of padded and packed batches (MASKED_SLIDING_VIA_FLEX)")
+
+
+def check_sliding_arg(parser, choice: str) -> None:
+    """flex-masked on a torch where the integration refuses it would time stock SDPA under its name."""
+    if choice == "flex-masked" and torch_version() < MASKED_FLEX_MIN_TORCH:
+        parser.error(f"--sliding flex-masked: torch {torch.__version__} keeps masked sliding layers on stock SDPA "
+                     "(g4ops.attention.MASKED_FLEX_MIN_TORCH): the rows would not time FlexAttention")
 
 
 def use_sliding(choice: str) -> None:
@@ -843,6 +852,7 @@ def parse_args(argv=None):
     ap.add_argument("--json", default=None, help="write all results here")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, eager variants only: proves the script runs")
     args = ap.parse_args(argv)
+    check_sliding_arg(ap, args.sliding)
     if args.smoke:
         args.batches, args.seqs, args.variants = "2", "16", "stock,liger,g4ops"
         args.decode_tokens, args.parity_tokens, args.fp32_tokens = 12, 10, 10

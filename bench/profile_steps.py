@@ -26,7 +26,8 @@ import time
 import torch
 
 import g4ops
-from e2e import add_sliding_arg, lora_model, train_batch, use_sliding  # bench/ is on sys.path when this script runs
+# bench/ is on sys.path when this script runs
+from e2e import add_sliding_arg, check_sliding_arg, lora_model, train_batch, use_sliding
 from g4ops.models import build_model
 
 
@@ -150,6 +151,7 @@ def main():
                         help="train: also the N Python functions with the most own time in one step (cProfile)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    check_sliding_arg(parser, args.sliding)
     parts = set(args.parts.split(","))
     results = {}
     for variant in args.variants.split(","):

@@ -49,6 +49,19 @@ def test_e2e_smoke(tmp_path):
     assert parity["fp32_greedy"]["identical"] is True
 
 
+def test_e2e_refuses_flex_masked_where_the_integration_does(monkeypatch):
+    """`--sliding flex-masked` under a torch whose integration keeps masked sliding layers on SDPA would label stock
+    rows as FlexAttention's: the arguments are refused, naming why."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import e2e
+
+    e2e.parse_args(["--sliding", "flex-masked"])  # this torch (>= 2.12 in CI) lets it through
+    monkeypatch.setattr(e2e, "torch_version", lambda: (2, 11))
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--sliding", "flex-masked"])
+    e2e.parse_args(["--sliding", "flex"])
+
+
 def test_e2e_train_with_g4ops_attention(tmp_path):
     """The finetune rows of the issue's table run with `--g4ops-attention` (on CPU: the chunked full layers, stock
     sliding layers; FlexAttention needs a compiled CUDA model)."""
