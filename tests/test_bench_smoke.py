@@ -55,7 +55,8 @@ def test_e2e_refuses_flex_masked_where_the_integration_does(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import e2e
 
-    e2e.parse_args(["--sliding", "flex-masked"])  # this torch (>= 2.12 in CI) lets it through
+    monkeypatch.setattr(e2e, "torch_version", lambda: (2, 13))
+    e2e.parse_args(["--sliding", "flex-masked"])
     monkeypatch.setattr(e2e, "torch_version", lambda: (2, 11))
     with pytest.raises(SystemExit):
         e2e.parse_args(["--sliding", "flex-masked"])
