@@ -51,18 +51,29 @@ def _model(args, variant: str):
     return model
 
 
+def _missing_text(missing: dict | None) -> str:
+    if missing is None:
+        return "not read (this torch's guard entries do not name the attribute)"
+    return str(missing) if missing else "none"
+
+
 def measure(args, variant: str) -> dict:
     model = _model(args, variant)
     ids = torch.randint(3, model.config.vocab_size, (1, args.seq), generator=torch.Generator().manual_seed(0))
     batch = dict(input_ids=ids.to(args.device), labels=ids.to(args.device))
     kinds, missing = collections.Counter(), collections.Counter()
+    unread = []  # HASATTR guards whose module and attribute this torch's entries do not give
 
     def record(entries):
         for e in entries:
             kinds[e.guard_type] += 1
-            if e.guard_type == "HASATTR" and e.has_value and isinstance(e.value, torch.nn.Module):
-                attr = e.orig_guard.create_fn.keywords["attr"]
-                if not hasattr(e.value, attr):
+            if e.guard_type == "HASATTR":
+                # torch 2.13's entry holds the module tested and binds the attribute's name into the guard's
+                # builder (a partial); torch 2.11's holds the attribute's own value (none when it is missing)
+                attr = (getattr(e.orig_guard.create_fn, "keywords", None) or {}).get("attr")
+                if attr is None:
+                    unread.append(e.name)
+                elif e.has_value and isinstance(e.value, torch.nn.Module) and not hasattr(e.value, attr):
                     missing[f"{type(e.value).__name__}.{attr}"] += 1
         return [True] * len(entries)
 
@@ -97,7 +108,8 @@ def measure(args, variant: str) -> dict:
         gc.enable()
     return dict(variant=variant, guard_check_ms=min(rounds), guard_check_median_ms=sorted(rounds)[len(rounds) // 2],
                 guards=sum(kinds.values()), guard_types=dict(kinds.most_common()),
-                missing_attribute_guards_on_modules=dict(missing), first_step_s=compile_s)  # fmt: skip
+                missing_attribute_guards_on_modules=None if unread else dict(missing),  # None: not read here
+                first_step_s=compile_s)  # fmt: skip
 
 
 def _in_own_process(args, variant: str) -> dict:
@@ -139,7 +151,7 @@ def main() -> None:
         rows.append(row)
         print(f"{variant}: guard check {row['guard_check_ms']:.3f} ms (median {row['guard_check_median_ms']:.3f}), "
               f"{row['guards']} guards, missing-attribute guards on modules: "
-              f"{row['missing_attribute_guards_on_modules'] or 'none'}", flush=True)  # fmt: skip
+              f"{_missing_text(row['missing_attribute_guards_on_modules'])}", flush=True)  # fmt: skip
     if args.json:
         setup = {k: getattr(args, k) for k in SETUP}
         meta = dict(setup, torch=torch.__version__, date=time.strftime("%Y-%m-%d"))

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from g4ops._torch_version import torch_version
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -353,5 +355,8 @@ def test_guard_time_smoke(tmp_path):
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"stock", "g4ops"}
     assert all(r["guard_check_ms"] > 0 and r["guards"] > 0 for r in rows.values()), rows
-    assert set(rows["g4ops"]["missing_attribute_guards_on_modules"]) <= set(
-        rows["stock"]["missing_attribute_guards_on_modules"]), rows  # fmt: skip
+    missing = {variant: row["missing_attribute_guards_on_modules"] for variant, row in rows.items()}
+    if None in missing.values():  # torch 2.11's guard entries do not name the attribute a HASATTR guard tests
+        assert torch_version() < (2, 13) and missing == {"stock": None, "g4ops": None}, missing
+        return
+    assert set(missing["g4ops"]) <= set(missing["stock"]), rows
