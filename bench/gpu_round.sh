@@ -31,7 +31,6 @@ if [ -n "$wheels" ]; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 rc=0
-_cache() { $PY -c "from g4ops._build import cache_dir; print(cache_dir())"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 if has env; then
@@ -40,10 +39,11 @@ fi
 
 if has build; then
   t0=$(date +%s)
+  cache=$($PY -c "from g4ops._build import cache_dir; print(cache_dir())")
   for built in .prebuilt/g4ops_cuda_*.so; do
     [ -f "$built" ] || continue
     tag=$(basename "$built" .so); tag=${tag#g4ops_cuda_}
-    mkdir -p "$(_cache)/$tag" && cp "$built" "$(_cache)/$tag/"
+    mkdir -p "$cache/$tag" && cp "$built" "$cache/$tag/"
   done
   if $PY -m g4ops build --help >/dev/null 2>&1; then
     $PY -m g4ops build --verbose 2>&1 | tee "$OUT/build.log"; brc=${PIPESTATUS[0]}
@@ -52,7 +52,7 @@ if has build; then
   fi
   echo "build rc=$brc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/build.log"
   if [ "$brc" != 0 ]; then echo "BUILD FAILED"; tail -60 "$OUT/build.log"; exit 1; fi
-  if [ "${SAVE_BUILD:-0}" = 1 ]; then cp "$(_cache)"/*/g4ops_cuda_*.so "$OUT/" && ls -l "$OUT"/g4ops_cuda_*.so; fi
+  if [ "${SAVE_BUILD:-0}" = 1 ]; then cp "$cache"/*/g4ops_cuda_*.so "$OUT/" && ls -l "$OUT"/g4ops_cuda_*.so; fi
 fi
 
 # stage NAME TIMEOUT CMD...: run CMD under a timeout, log to $OUT/NAME.log, remember a failure in rc

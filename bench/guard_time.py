@@ -37,6 +37,7 @@ from g4ops.models import build_model
 
 SETUP = ("shape", "layers", "lora", "seq", "dtype", "device", "backend")
 
+
 def _model(args, variant: str):
     model = build_model(args.shape, num_layers=args.layers, dtype=getattr(torch, args.dtype), device=args.device)
     model.train()

@@ -43,8 +43,11 @@ fuses around the GEMMs. Without a gradient the forward loop is traced directly.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from . import _torch_version
 from .ops import _BELOW_AUTOGRAD, _lib
 from .reference import truncated_to
 
@@ -406,14 +409,10 @@ _masked_flex_warned = False
 def masked_flex_supported() -> bool:
     """Whether this torch may compile FlexAttention with a batch mask (MASKED_FLEX_MIN_TORCH); warns once when not."""
     global _masked_flex_warned
-    from ._torch_version import torch_version
-
-    if torch_version() >= MASKED_FLEX_MIN_TORCH:
+    if _torch_version.torch_version() >= MASKED_FLEX_MIN_TORCH:
         return True
     if not _masked_flex_warned:
         _masked_flex_warned = True
-        import warnings
-
         warnings.warn(
             f"g4ops: FlexAttention with a padding or packing mask needs torch >= {MASKED_FLEX_MIN_TORCH[0]}."
             f"{MASKED_FLEX_MIN_TORCH[1]} (torch 2.11's Inductor failed to compile it or ran a bad kernel); torch "
