@@ -40,9 +40,21 @@ def _kernel_table(prof, steps: int, top: int):
     return busy_us, launches, rows
 
 
-def _profile(fn, steps: int, top: int, host_top: int = 0):
+def _op_table(prof, top: int):
+    """The ATen ops whose kernels took the most GPU time, with their input shapes: which op launched a kernel of the
+    kernel table (a vocabulary-sized fill or add names its [262144, ...] operand here). Needs CPU activity, so a
+    CUDA-graph replay (reduce-overhead) shows no ops: profile the default compile mode for this."""
+    events = [e for e in prof.key_averages(group_by_input_shape=True)
+              if e.device_type == torch.autograd.DeviceType.CPU and e.key.startswith("aten::")
+              and e.self_device_time_total > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [(e.key, str(e.input_shapes)[:120], e.count, e.self_device_time_total) for e in events[:top]]
+
+
+def _profile(fn, steps: int, top: int, host_top: int = 0, op_top: int = 0):
     """Wall time per step from unprofiled steps (the CPU-side profiler inflates host-bound steps 2-3x), the kernel
-    table from CUDA-only profiling, and with `host_top` the Python functions with the most own time (cProfile)."""
+    table from CUDA-only profiling, with `host_top` the Python functions with the most own time (cProfile), and with
+    `op_top` the ATen ops with the most GPU time, by input shape (one step profiled with CPU activity)."""
     fn()  # warm-up (compilation, autotuning, CUDA-graph recording)
     fn()
     torch.cuda.synchronize()
@@ -64,6 +76,12 @@ def _profile(fn, steps: int, top: int, host_top: int = 0):
     busy_us, launches, rows = _kernel_table(prof, steps, top)
     result = dict(wall_us=wall_us, wall_synced_us=sorted(synced)[steps // 2] * 1e6, gpu_busy_us=busy_us,
                   launches=launches, top=rows)
+    if op_top:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+            fn()
+            torch.cuda.synchronize()
+        result["op_top"] = _op_table(prof, op_top)
     if host_top:
         import cProfile
         import pstats
@@ -149,6 +167,9 @@ def main():
                         help="train: bench/e2e.py's batch layouts (padded, packed: 4 sequences in --tokens)")
     parser.add_argument("--host-top", type=int, default=0, metavar="N",
                         help="train: also the N Python functions with the most own time in one step (cProfile)")
+    parser.add_argument("--op-top", type=int, default=0, metavar="N",
+                        help="train: also the N ATen ops with the most GPU time in one step, by input shape "
+                             "(no ops under --compile-mode reduce-overhead: graph replays run no ATen ops)")
     parser.add_argument("--json")
     args = parser.parse_args()
     check_sliding_arg(parser, args.sliding)
@@ -185,7 +206,7 @@ def main():
                 for mode in args.train_modes.split(","):
                     torch._dynamo.reset()
                     r = _profile(train_case(trained, batch, mode == "compiled", args.compile_mode), steps=3,
-                                 top=args.top, host_top=args.host_top)
+                                 top=args.top, host_top=args.host_top, op_top=args.op_top)
                     results[f"{variant}{lora} train {tokens} {args.layout} {mode}"] = r
             trained.eval()
             del trained
@@ -201,6 +222,8 @@ def main():
             print(f"   {us:9.1f} us  x{count:6.1f}  {key}")
         for key, calls, own_us, cum_us in r.get("host_top", []):
             print(f"   host {own_us:9.0f} us own {cum_us:9.0f} us cum  x{calls:5d}  {key}")
+        for key, shapes, count, us in r.get("op_top", []):
+            print(f"   op {us:9.1f} us  x{count:4d}  {key} {shapes}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(layers=args.layers, device=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from g4ops._torch_version import torch_version
 
@@ -360,3 +361,22 @@ def test_guard_time_smoke(tmp_path):
         assert torch_version() < (2, 13) and missing == {"stock": None, "g4ops": None}, missing
         return
     assert set(missing["g4ops"]) <= set(missing["stock"]), rows
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_profile_steps_op_table_names_the_launching_op_and_its_shapes(monkeypatch):
+    """`profile_steps.py --op-top`: a kernel's GPU time is charged to the ATen op that launched it, with that op's
+    input shapes (how a vocabulary-sized fill or add in a training step is told apart from a layer's)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import profile_steps
+
+    a, b = torch.randn(257, 129, device="cuda"), torch.randn(129, 65, device="cuda")
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        torch.mm(a, b).add_(1.5)
+        torch.cuda.synchronize()
+    rows = profile_steps._op_table(prof, top=10)
+    assert all(us > 0 for *_, us in rows), rows
+    assert any(key == "aten::mm" and "[257, 129]" in shapes and "[129, 65]" in shapes for key, shapes, *_ in rows), rows
+    assert any(key == "aten::add_" and "[257, 65]" in shapes for key, shapes, *_ in rows), rows
