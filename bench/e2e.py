@@ -426,6 +426,9 @@ def add_sliding_arg(parser) -> None:
     parser.add_argument("--sliding", choices=["flex", "stock", "flex-masked"], default="flex",
                         help="with g4ops attention, compiled on CUDA: sliding layers on FlexAttention or stock SDPA; "
                              "flex-masked: also those of padded and packed batches (MASKED_SLIDING_VIA_FLEX)")
+    parser.add_argument("--flex-options", type=json.loads, default=None, metavar="JSON",
+                        help="FlexAttention kernel options for the sliding layers, e.g. '{\"bwd_num_warps\": 8}' "
+                             "(g4ops.attention.SLIDING_FLEX_KERNEL_OPTIONS; bench/flex_options.py's PRESETS)")
 
 
 def check_sliding_arg(parser, choice: str) -> None:
@@ -435,10 +438,11 @@ def check_sliding_arg(parser, choice: str) -> None:
                      "(g4ops.attention.MASKED_FLEX_MIN_TORCH): the rows would not time FlexAttention")
 
 
-def use_sliding(choice: str) -> None:
-    """Set g4ops.integration's sliding-layer switches for a `--sliding` choice."""
+def use_sliding(choice: str, flex_options: dict | None = None) -> None:
+    """Set g4ops' sliding-layer switches for a `--sliding` choice and `--flex-options`."""
     g4ops.integration.SLIDING_VIA_FLEX = choice != "stock"
     g4ops.integration.MASKED_SLIDING_VIA_FLEX = choice == "flex-masked"
+    g4ops.attention.SLIDING_FLEX_KERNEL_OPTIONS = flex_options
 
 
 def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -> list[dict]:
@@ -455,7 +459,7 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
             state["model"] = model = model_for(args).train()
             if use_g4ops and args.g4ops_attention:
                 g4ops.enable(model, attention=True)  # also switch its attention to g4ops' implementation
-                use_sliding(args.sliding)
+                use_sliding(args.sliding, args.flex_options)
                 on_flex = variant.endswith("compile") and args.device.startswith("cuda")
                 common["sliding"] = args.sliding if on_flex else "stock"
             common["attention"] = model.config._attn_implementation

@@ -180,7 +180,7 @@ def main():
         patches = None
         if variant == "g4ops":
             patches = g4ops.enable(model, attention=True) if args.attention else g4ops.enable()
-            use_sliding(args.sliding)
+            use_sliding(args.sliding, args.flex_options)
         if "decode" in parts:
             torch._dynamo.reset()
             r = _profile(decode_case(model, 1, args.new_tokens), steps=2, top=args.top)

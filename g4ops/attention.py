@@ -422,6 +422,11 @@ def masked_flex_supported() -> bool:
     return False
 
 
+# FlexAttention kernel options (block sizes, warps, stages; torch's FlexKernelOptions) for the sliding layers' call;
+# None keeps Inductor's defaults for the head dim and GPU. bench/flex_options.py times candidates against fp64.
+SLIDING_FLEX_KERNEL_OPTIONS: dict | None = None
+
+
 def flex_sliding_usable(query: torch.Tensor) -> bool:
     """FlexAttention is the faster sliding path only where it compiles into its fused kernel and that kernel is
     trusted: inside torch.compile (eager flex_attention materializes the full score matrix), on CUDA, on a GPU of the
@@ -458,5 +463,6 @@ def sliding_window_attention(
         mask = mask.expand(query.shape[0], 1, *mask.shape[2:])
     block_mask = band_block_mask(query.shape[2], key.shape[2], window, query.device, mask)
     return flex_attention(
-        query, key, value, block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+        query, key, value, block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1],
+        kernel_options=SLIDING_FLEX_KERNEL_OPTIONS,
     )

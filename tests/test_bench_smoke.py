@@ -66,6 +66,21 @@ def test_e2e_refuses_flex_masked_where_the_integration_does(monkeypatch):
     e2e.parse_args(["--sliding", "flex"])
 
 
+def test_e2e_flex_options_reach_the_sliding_flex_call(monkeypatch):
+    """`--flex-options JSON` sets the kernel options g4ops.attention.sliding_window_attention passes to flex."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import e2e
+    import g4ops.attention
+
+    monkeypatch.setattr(g4ops.attention, "SLIDING_FLEX_KERNEL_OPTIONS", None)
+    monkeypatch.setattr(g4ops.integration, "SLIDING_VIA_FLEX", True)
+    args = e2e.parse_args(["--flex-options", '{"bwd_num_warps": 8, "USE_TMA": true}'])
+    e2e.use_sliding(args.sliding, args.flex_options)
+    assert g4ops.attention.SLIDING_FLEX_KERNEL_OPTIONS == {"bwd_num_warps": 8, "USE_TMA": True}
+    e2e.use_sliding("flex", e2e.parse_args([]).flex_options)
+    assert g4ops.attention.SLIDING_FLEX_KERNEL_OPTIONS is None
+
+
 def test_e2e_train_with_g4ops_attention(tmp_path):
     """The finetune rows of the issue's table run with `--g4ops-attention` (on CPU: the chunked full layers, stock
     sliding layers; FlexAttention needs a compiled CUDA model)."""
