@@ -7,12 +7,13 @@
 Why: in the graphed 4-layer LoRA step on the H200 the sliding layers' flex backward ran ~320 us per layer for about
 19 GFLOP of band work (bench/results/2026-12-04-h200-session24.md), and a full layer (head_dim 512) costs g4ops'
 chunked attention 2.30 ms fwd+bwd compiled at 2048 tokens (g4ops/attention.py): the 35 sliding and 7 full layers
-are a large share of the gap between the 42-layer step and its GEMMs. g4ops calls flex with default options (its
-sliding path); stock flex with defaults does not fit head_dim 512 in shared memory (issue 18).
+are a large share of the gap between the 42-layer step and its GEMMs. g4ops calls flex with the options this script
+found (g4ops.attention.SM90_HEAD256_FLEX_OPTIONS on sm90 at head_dim 256, else Inductor's defaults); stock flex with
+defaults does not fit head_dim 512 in shared memory (issue 18).
 
 Per kind and length: fwd+bwd median ms (CUDA events), GPU busy ms per call (kernel time, what a CUDA-graphed step
 pays), and the relative errors of out, dq, dk, dv against an fp64 reference, for these variants (`--variants`):
-  g4ops     what g4ops runs: `sliding_window_attention` (flex, default options) for sliding layers, the chunked
+  g4ops     what g4ops runs: `sliding_window_attention` (flex, g4ops' kernel options) for sliding layers, the chunked
             `g4ops.attention.attention` for full layers; both under torch.compile
   default   flex_attention compiled with default kernel options (g4ops' band or causal block mask)
   autotune  the same compiled with mode="max-autotune-no-cudagraphs": Inductor times its own candidate configs and

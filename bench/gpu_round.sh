@@ -8,9 +8,10 @@
 #   STAGES="build flex" FLEX_ARGS="--kinds full" bash bench/gpu_round.sh   # flex kernel options vs g4ops attention
 # Wheels in .whl/ (ignored: carry it) or .wheels/ are installed into /tmp/site first: the GPU image lacks
 # Liger-Kernel and the serve stack (FastAPI, Starlette, uvicorn, pydantic, openai).
-# The kernel build takes 70-90 s on each fresh machine. SAVE_BUILD=1 copies the built library to $OUT; put the file
-# that comes back into .prebuilt/ here (ignored) and carry ".prebuilt": the next call's build stage then loads it
-# (g4ops/_build.py: its name is the build's tag, so it is used only for the same sources, torch, CUDA and arch).
+# The kernel build takes 70-90 s on each fresh machine. SAVE_BUILD=1 copies the built library to $OUT, gzipped (the
+# library was 20.4 MB on 2026-12-05, past the 16 MiB a returned file may have); put the file that comes back into
+# .prebuilt/ here (ignored) and carry ".prebuilt": the next call's build stage then loads it (g4ops/_build.py: its
+# name is the build's tag, so it is used only for the same sources, torch, CUDA and arch).
 set -u
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -40,10 +41,10 @@ fi
 if has build; then
   t0=$(date +%s)
   cache=$($PY -c "from g4ops._build import cache_dir; print(cache_dir())")
-  for built in .prebuilt/g4ops_cuda_*.so; do
+  for built in .prebuilt/g4ops_cuda_*.so.gz; do
     [ -f "$built" ] || continue
-    tag=$(basename "$built" .so); tag=${tag#g4ops_cuda_}
-    mkdir -p "$cache/$tag" && cp "$built" "$cache/$tag/"
+    tag=$(basename "$built" .so.gz); tag=${tag#g4ops_cuda_}
+    mkdir -p "$cache/$tag" && gunzip -c "$built" > "$cache/$tag/g4ops_cuda_$tag.so"
   done
   if $PY -m g4ops build --help >/dev/null 2>&1; then
     $PY -m g4ops build --verbose 2>&1 | tee "$OUT/build.log"; brc=${PIPESTATUS[0]}
@@ -52,7 +53,10 @@ if has build; then
   fi
   echo "build rc=$brc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/build.log"
   if [ "$brc" != 0 ]; then echo "BUILD FAILED"; tail -60 "$OUT/build.log"; exit 1; fi
-  if [ "${SAVE_BUILD:-0}" = 1 ]; then cp "$cache"/*/g4ops_cuda_*.so "$OUT/" && ls -l "$OUT"/g4ops_cuda_*.so; fi
+  if [ "${SAVE_BUILD:-0}" = 1 ]; then
+    for lib in "$cache"/*/g4ops_cuda_*.so; do gzip -9 -c "$lib" > "$OUT/$(basename "$lib").gz"; done
+    ls -l "$OUT"/g4ops_cuda_*.so.gz
+  fi
 fi
 
 # stage NAME TIMEOUT CMD...: run CMD under a timeout, log to $OUT/NAME.log, remember a failure in rc

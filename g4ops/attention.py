@@ -422,9 +422,37 @@ def masked_flex_supported() -> bool:
     return False
 
 
-# FlexAttention kernel options (block sizes, warps, stages; torch's FlexKernelOptions) for the sliding layers' call;
-# None keeps Inductor's defaults for the head dim and GPU. bench/flex_options.py times candidates against fp64.
+# FlexAttention kernel options (torch's FlexKernelOptions) for the sliding layers on Hopper (sm90) at head_dim 256
+# (E4B, E2B), bf16/fp16: the backward tile Inductor picks there (torch 2.11: 64 x 64 blocks, 2 stages) with 8 warps
+# instead of 4. Measured on an H100 (torch 2.11, 2026-12-05, bench/flex_options.py, E4B's sliding layer at 2048
+# tokens): 0.248 against 0.360 ms of GPU time per layer, forward + backward, with the same errors against fp64
+# (bench/results/2026-12-05-h100-session30.md). Elsewhere (other GPUs, head dims, fp32) Inductor's defaults stay.
+SM90_HEAD256_FLEX_OPTIONS = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                             "bwd_num_warps": 8, "bwd_num_stages": 2}  # fmt: skip
+# An override for benchmarks (bench/e2e.py --flex-options): a dict is passed as given ({}: Inductor's defaults).
 SLIDING_FLEX_KERNEL_OPTIONS: dict | None = None
+
+
+@torch.compiler.assume_constant_result  # evaluated once while tracing, a constant in the graph
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def tuned_sliding_options(device_index: int, dtype: torch.dtype, head_dim: int) -> dict | None:
+    """The kernel options the sliding layers' flex call takes on a CUDA device (None: Inductor's defaults)."""
+    if dtype in _LOW_PRECISION and head_dim == 256 and _is_sm90(device_index):
+        return dict(SM90_HEAD256_FLEX_OPTIONS)
+    return None
+
+
+def sliding_flex_kernel_options(query: torch.Tensor) -> dict | None:
+    if SLIDING_FLEX_KERNEL_OPTIONS is not None:
+        return dict(SLIDING_FLEX_KERNEL_OPTIONS) or None
+    if not query.is_cuda:
+        return None
+    index = query.device.index
+    return tuned_sliding_options(torch.cuda.current_device() if index is None else index, query.dtype,
+                                 query.shape[-1])  # fmt: skip
 
 
 def flex_sliding_usable(query: torch.Tensor) -> bool:
@@ -464,5 +492,5 @@ def sliding_window_attention(
     block_mask = band_block_mask(query.shape[2], key.shape[2], window, query.device, mask)
     return flex_attention(
         query, key, value, block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1],
-        kernel_options=SLIDING_FLEX_KERNEL_OPTIONS,
+        kernel_options=sliding_flex_kernel_options(query),
     )

@@ -561,6 +561,57 @@ def test_flex_gpu_check_is_a_traced_constant(monkeypatch, capability, usable):
     assert torch.equal(torch.compile(fn, fullgraph=True)(torch.ones(2)), torch.full((2,), 2.0 if usable else 0.0))
 
 
+@pytest.mark.parametrize("capability, dtype, head_dim, tuned", [
+    ((9, 0), torch.bfloat16, 256, True), ((9, 0), torch.float16, 256, True), ((9, 0), torch.float32, 256, False),
+    ((9, 0), torch.bfloat16, 128, False), ((8, 0), torch.bfloat16, 256, False), ((10, 0), torch.bfloat16, 256, False),
+])  # fmt: skip
+def test_sliding_flex_options_are_tuned_only_where_measured(monkeypatch, capability, dtype, head_dim, tuned):
+    """The 8-warp backward (SM90_HEAD256_FLEX_OPTIONS) only on sm90, bf16/fp16, head_dim 256: where it was measured
+    faster; decided while tracing (no graph break: the choice runs inside the compiled model)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    expected = attention_module.SM90_HEAD256_FLEX_OPTIONS if tuned else None
+    assert attention_module.tuned_sliding_options(0, dtype, head_dim) == expected
+
+    def fn(x):
+        return x + 1 if attention_module.tuned_sliding_options(0, dtype, head_dim) else x - 1
+
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(fn)(torch.ones(2))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_sliding_flex_options_override_and_cpu(monkeypatch):
+    """CPU queries take no options; the benchmarks' override is passed as given, and {} means Inductor's defaults."""
+    q = torch.randn(1, 2, 8, 256, dtype=torch.bfloat16)
+    assert attention_module.sliding_flex_kernel_options(q) is None
+    monkeypatch.setattr(attention_module, "SLIDING_FLEX_KERNEL_OPTIONS", {"bwd_num_warps": 4})
+    assert attention_module.sliding_flex_kernel_options(q) == {"bwd_num_warps": 4}
+    monkeypatch.setattr(attention_module, "SLIDING_FLEX_KERNEL_OPTIONS", {})
+    assert attention_module.sliding_flex_kernel_options(q) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs a Hopper (sm90) GPU")  # fmt: skip
+def test_sliding_flex_call_takes_the_tuned_options_on_sm90(monkeypatch):
+    """On the GPU the options were measured on, the sliding layers' flex call gets them (the E4B bf16 case of
+    FLEX_CASES checks its numbers against fp64 with them)."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    seen = []
+    real = flex_module.flex_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("kernel_options"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flex_module, "flex_attention", spy)
+    q = torch.randn(1, 8, 600, 256, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 600, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    attention_module.sliding_window_attention(q, k, v, 1.0, 512)
+    assert seen == [attention_module.SM90_HEAD256_FLEX_OPTIONS]
+
+
 def test_flex_sliding_runs_only_compiled_on_cuda():
     q = torch.randn(1, 2, 8, 16)
     assert not attention_module.flex_sliding_usable(q)  # eager CPU: the dense-mask stock path
