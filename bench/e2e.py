@@ -428,7 +428,8 @@ def add_sliding_arg(parser) -> None:
                              "flex-masked: also those of padded and packed batches (MASKED_SLIDING_VIA_FLEX)")
     parser.add_argument("--flex-options", type=json.loads, default=None, metavar="JSON",
                         help="FlexAttention kernel options for the sliding layers, e.g. '{\"bwd_num_warps\": 8}' "
-                             "(g4ops.attention.SLIDING_FLEX_KERNEL_OPTIONS; '{}': Inductor's defaults; unset: g4ops' own choice)")
+                             "(g4ops.attention.SLIDING_FLEX_KERNEL_OPTIONS); '{}': Inductor's defaults; unset: "
+                             "g4ops' own choice")
 
 
 def check_sliding_arg(parser, choice: str) -> None:

@@ -446,13 +446,18 @@ def tuned_sliding_options(device_index: int, dtype: torch.dtype, head_dim: int) 
 
 
 def sliding_flex_kernel_options(query: torch.Tensor) -> dict | None:
+    """What `sliding_window_attention` passes to flex_attention as kernel_options: the override if set, else the
+    tuned options for query's GPU, dtype and head_dim (none on CPU)."""
     if SLIDING_FLEX_KERNEL_OPTIONS is not None:
         return dict(SLIDING_FLEX_KERNEL_OPTIONS) or None
     if not query.is_cuda:
         return None
+    return tuned_sliding_options(_cuda_index(query), query.dtype, query.shape[-1])
+
+
+def _cuda_index(query: torch.Tensor) -> int:
     index = query.device.index
-    return tuned_sliding_options(torch.cuda.current_device() if index is None else index, query.dtype,
-                                 query.shape[-1])  # fmt: skip
+    return torch.cuda.current_device() if index is None else index
 
 
 def flex_sliding_usable(query: torch.Tensor) -> bool:
@@ -461,8 +466,7 @@ def flex_sliding_usable(query: torch.Tensor) -> bool:
     kind it was checked on."""
     if not (_flex_compiled_trusted(query) and torch.compiler.is_compiling()):
         return False
-    index = query.device.index
-    return _flex_checked_gpu(torch.cuda.current_device() if index is None else index)
+    return _flex_checked_gpu(_cuda_index(query))
 
 
 def sliding_window_attention(
