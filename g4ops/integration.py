@@ -154,12 +154,15 @@ def _layer_params(stock_forward) -> tuple[list[str], dict] | None:
 
 
 def _runs_gemma_norm(norm, hf) -> bool:
-    """The module computes Gemma4RMSNorm as stock or our patch does: no hooks, no foreign forward, a plain weight."""
+    """The module computes Gemma4RMSNorm as stock or our patch does: no hooks, no foreign forward, a plain weight.
+    `hasattr(forward, _MARK)` reads the mark through the bound method: Dynamo in torch 2.11 traced
+    `getattr(method, "__func__", None)` as None, so under torch.compile every layer of an `enable(model)` model
+    silently ran its stock forward (two norms and an add where sandwich_norm fuses them)."""
     forward, weight = vars(norm).get("forward"), _norm_weight(norm)
     return (
         isinstance(norm, hf.Gemma4RMSNorm)
         and _stock_forward_of(type(norm)) is _stock_forward_of(hf.Gemma4RMSNorm)
-        and (forward is None or hasattr(getattr(forward, "__func__", None), _MARK))
+        and (forward is None or hasattr(forward, _MARK))
         and not norm._forward_hooks
         and not norm._forward_pre_hooks
         and (weight is None or _is_plain_tensor(weight))

@@ -283,6 +283,28 @@ def test_enable_model_patches_generated_subclasses_but_not_overridden_forwards()
     assert "forward" in vars(model.model.layers[1].mlp)
 
 
+@pytest.mark.parametrize("scope", ["model", "class"])
+def test_compiled_layers_take_the_fused_sandwich_norm(scope):
+    """Under torch.compile every decoder layer still runs g4ops' fused path (one sandwich_norm), for enable(model) as
+    for the class-wide enable(). Dynamo in torch 2.11 traced the per-model norm patches' mark as missing, and each
+    layer silently ran its stock forward (two norms and an add): check with .ci/gpu-image-stack."""
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    model = build_model("tiny-e4b")
+    ids = _tokens(model.config.vocab_size)
+    torch._dynamo.reset()
+    try:
+        with g4ops.enable(model) if scope == "model" else g4ops.enable():
+            torch.compile(model, backend=backend, fullgraph=True)(ids)
+    finally:
+        torch._dynamo.reset()
+    assert targets.count("g4ops.sandwich_norm") == model.config.num_hidden_layers, sorted(set(targets))
+
+
 def test_compiled_static_cache_generate_matches_eager():
     # The demo's and users' path: generate() with a static cache compiles the decode step (fullgraph) by itself.
     from g4ops.__main__ import _generate
