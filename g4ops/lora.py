@@ -39,11 +39,10 @@ computes dh from the base down weight alone and returns no dgate/dup, which the 
 forward kernel alone (`gelu_tanh_mul`, run in eager mode when the compiled path is off) has no fake kernel to compile
 through. With G4OPS_LORA_SPLIT=1, fp32 adapters of a bf16 model take their products on bf16 tensor cores, the fp32
 operands split exactly into bf16 parts (`_split_mm`; opt-in, `SPLIT_DEVICES` says why), and the K=r products that
-land in a bf16 output (B's in y, A's in dz) are one bf16 GEMM, rounded once, to which the base GEMM adds its product
-and rounds once more (`_linear_plus_low_rank`). So y and dz are rounded twice, as peft's are, but in the other
-order: the low-rank term (small beside y) is rounded, the base product is not (peft rounds the base GEMM's output
-and then adds its fp32 term); the path without split sums dz in fp32. In dz for gate and up, up's base GEMM adds
-into the same buffer (one rounding more), and dh reaches the GeGLU backward in bf16, as peft's does.
+land in a bf16 output (B's in y, A's in dz) fold into one GEMM that adds them to the base GEMM's bf16 output and
+rounds once (`_plus_low_rank`). y then has peft's roundings; in dz the base GEMM's output is rounded to bf16 before
+the adapters' terms are added, as peft does (the path without split sums them in fp32), and dh reaches the GeGLU
+backward in bf16, as peft's does.
 
 Inside an outer torch.compile (`torch.compiler.is_compiling()` in `lora_geglu_mlp`) there is no opaque op: the
 same two math functions run as a torch.autograd.Function (`_TracedLoraGeglu`, the op's formula without its ops),
@@ -302,7 +301,7 @@ def _add_product_rounded(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> N
     An op that writes c, not `torch.baddbmm(c, a, b)`: ATen's out-of-place baddbmm first copies c into its result
     (a full [T, n] memcpy per fold, 49 of them and 0.41 ms in a 4-layer LoRA step on the H200, 2026-12-05), and a
     traced in-place `baddbmm_` is functionalized back into that copy. Inductor re-inplaces a mutating custom op
-    whose input dies there, as every caller's c (a GEMM's fresh output) does. Inside the op Inductor rewrites
+    whose input dies there, as every caller's c (a base GEMM's fresh output) does. Inside the op Inductor rewrites
     nothing, so the GEMM's one rounding holds (test_plus_low_rank_rounds_once)."""
     if _gemm_adds_c_unrounded(c):
         c[None].baddbmm_(a[None], b[None])
@@ -321,33 +320,25 @@ def _gemm_adds_c_unrounded(c) -> bool:
     return c.is_cuda
 
 
-def _linear_plus_low_rank(inp, weight, pairs):
-    """F.linear(inp, weight) for bf16 inp [..., k] and weight [n, k], plus the sum of left @ right^T over `pairs` of
-    fp32 left [..., r] and right [n, r], in two GEMMs and no other pass over the [T, n] result. The low-rank terms come
-    first: one bf16 GEMM over their exact bf16 parts (`_split_pairs` side by side, K = 9r), rounded once; the base
-    GEMM then adds its product to that buffer in its fp32 accumulator and rounds once (`_add_product_rounded`). The
-    split path's low-rank terms (B's in the forward, A's in the backward's dx) go this way instead of as fp32 GEMMs,
-    whose fp32 [T, n] results are written and read back (84 MB per gate/up term at 2048 tokens).
-
-    Low-rank first, because the base GEMM is compute-bound and reads the buffer in its epilogue at little cost, where
-    a K = 9r GEMM that adds into the base output reads and writes all of it (session 31's graphed 8-layer LoRA step
-    on an H100: 65 such GEMMs, 1.40 ms). The rounding: y = bf16(x W^T + bf16(L R^T)), one rounding of y and one of
-    the low-rank term (small beside y); peft rounds x W^T to bf16 first and then adds its fp32 term and rounds."""
+def _plus_low_rank(out, pairs):
+    """bf16 `out` [..., n] + sum of left @ right^T over `pairs` of fp32 left [..., r] and right [n, r], rounded once
+    to bf16, in one bf16 GEMM (`_split_pairs` side by side, `_add_product_rounded`) that writes into `out`: callers
+    pass a base GEMM's fresh output and use only what this returns. The split path's low-rank terms (B's in the
+    forward, A's in the backward's dx) go this way instead of as fp32 GEMMs, whose fp32 [T, n] results are written
+    and read back (84 MB per gate/up term at 2048 tokens)."""
     if not pairs:
-        return F.linear(inp, weight)
+        return out
     lefts, rights = zip(*(_split_pairs(_rows(left), right) for left, right in pairs))
-    out = torch.mm(torch.cat(lefts, 1), torch.cat(rights, 1).t())
-    torch.ops.g4ops.add_product_rounded(out, _rows(inp), weight.t())
-    return out.view(*inp.shape[:-1], weight.shape[0])
+    rows = _rows(out)
+    torch.ops.g4ops.add_product_rounded(rows, torch.cat(lefts, 1), torch.cat(rights, 1).t())
+    return rows.view(out.shape)
 
 
-def _with_adapters(weight, z, lora_a, lora_b, scaling, drops):
-    """peft's `lora.Linear.forward` for a bias-free base layer of `weight`, in its order and dtypes:
-    (y, [A_a(dropout_a(z_a))]). Split (`_splits`): the same sum, the base GEMM and B's products in
-    `_linear_plus_low_rank`."""
-    mids = []
+def _with_adapters(base_out, z, lora_a, lora_b, scaling, drops):
+    """peft's `lora.Linear.forward` after the base layer, in its order and dtypes: (y, [A_a(dropout_a(z_a))]).
+    Split (`_splits`): the same sum, with B's products folded into one GEMM that adds them to the base output."""
+    y, mids = base_out, []
     source, split = z, _splits(z, lora_a)  # with `split`, every cast below is bf16 -> fp32: exact
-    y = None if split else F.linear(z, weight)
     for a, b, s, drop in zip(lora_a, lora_b, scaling, drops):
         z = z.to(a.dtype)  # peft's _cast_input_dtype, cumulative like its loop
         if split and drop[1] is None:
@@ -358,9 +349,8 @@ def _with_adapters(weight, z, lora_a, lora_b, scaling, drops):
         if not split:
             y = y + F.linear(mid, b) * s
     if split:
-        pairs = [(mid, b * s) for mid, b, s in zip(mids, lora_b, scaling)]
-        return _linear_plus_low_rank(source, weight, pairs).contiguous(), mids
-    return y.to(source.dtype).contiguous(), mids
+        return _plus_low_rank(base_out, [(mid, b * s) for mid, b, s in zip(mids, lora_b, scaling)]).contiguous(), mids
+    return y.to(base_out.dtype).contiguous(), mids
 
 
 def _gelu_tanh_mul(gate, up):
@@ -377,10 +367,10 @@ def lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling
     gb, ub, db = _split(lora_b, counts)
     gs, us, ds = _split(scaling, counts)
     gd, ud, dd = _split(_per_adapter_masks(dropout, dropout_mask), counts)
-    gate, gate_mid = _with_adapters(w_gate, x, ga, gb, gs, gd)
-    up, up_mid = _with_adapters(w_up, x, ua, ub, us, ud)
+    gate, gate_mid = _with_adapters(F.linear(x, w_gate), x, ga, gb, gs, gd)
+    up, up_mid = _with_adapters(F.linear(x, w_up), x, ua, ub, us, ud)
     h = _gelu_tanh_mul(gate, up)
-    out, down_mid = _with_adapters(w_down, h, da, db, ds, dd)
+    out, down_mid = _with_adapters(F.linear(h, w_down), h, da, db, ds, dd)
     return out, gate, up, gate_mid + up_mid + down_mid
 
 
@@ -388,7 +378,7 @@ def _low_rank_grads(grad_y, lora_a, lora_b, scaling, drops, mids, mask_b, acc):
     """One projection's adapters, the part that needs no input z: (sum_a dropout_a'(u_a @ A_a) in `acc` or None,
     [(u_a, A_a^T)] to fold into dz's base GEMM, [u_a], [dB_a]) with u_a = s_a * (dY_a @ B_a) and
     dB_a = s_a * dY_a^T @ A_a(z_a) (module docstring). Split (`_splits`), an adapter without dropout goes into the fold
-    list (`_linear_plus_low_rank`) instead of the sum."""
+    list (`_plus_low_rank`) instead of the sum."""
     grad_z, folds, us, grad_b = None, [], [], []
     split = _splits(grad_y, lora_a)  # dY_a = dY cast to fp32: exact, so the products can read dY itself
     for a, b, s, drop, mid, want_b in zip(lora_a, lora_b, scaling, drops, mids, mask_b):
@@ -438,9 +428,9 @@ def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lo
     empty = lambda: x.new_empty(0)  # noqa: E731
 
     # down: dh = grad_out @ W_down + sum_a u_a @ A_a, kept in fp32 into the GeGLU backward, which recomputes h
-    # (split: the terms and the base GEMM in one bf16 result, `_linear_plus_low_rank`)
+    # (split: the terms folded into the base GEMM's bf16 output, `_plus_low_rank`)
     lora_h, down_folds, down_us, grad_db = _low_rank_grads(grad_out, da, db, ds, dd, dm, dmb, acc)
-    grad_h = _linear_plus_low_rank(grad_out, w_down.t(), down_folds)
+    grad_h = _plus_low_rank(F.linear(grad_out, w_down.t()), down_folds)
     if lora_h is not None:
         grad_h = grad_h.to(acc) + lora_h
     grad_gate, grad_up, h = reference.gelu_tanh_mul_backward(grad_h, gate, up)
@@ -450,15 +440,11 @@ def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lo
     lora_ux, up_folds, up_us, grad_ub = _low_rank_grads(grad_up, ua, ub, us, ud, um, umb, acc)
     grad_ga, grad_ua = _a_grads(gate_us, x, ga, gd, gma), _a_grads(up_us, x, ua, ud, uma)
     if output_mask[0]:
-        folds = gate_folds + up_folds
-        if folds:  # split: up's base GEMM adds into the same bf16 buffer, rounding once more
-            grad_x = _linear_plus_low_rank(grad_gate, w_gate.t(), folds)
-            torch.ops.g4ops.add_product_rounded(_rows(grad_x), _rows(grad_up), w_up)
-        else:
-            grad_x = F.linear(grad_gate, w_gate.t()).to(acc) + F.linear(grad_up, w_up.t()).to(acc)
+        grad_x = _plus_low_rank(F.linear(grad_gate, w_gate.t()), gate_folds + up_folds).to(acc)
+        grad_x = grad_x + F.linear(grad_up, w_up.t()).to(acc)
         for term in (lora_gx, lora_ux):
             if term is not None:
-                grad_x = grad_x.to(acc) + term
+                grad_x = grad_x + term
         grad_x = grad_x.to(x.dtype).contiguous()
     else:
         grad_x = empty()
@@ -680,21 +666,19 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
 # One projection: a peft lora.Linear outside the MLP (attention's q/k/v/o_proj), as `g4ops::lora_linear`.
 #
 # The same formula, per projection, as the MLP's (module docstring), with the same helpers: y = x W^T plus the
-# adapters (`_with_adapters`); dx = dY W + sum_a d_a(u_a A_a) summed in fp32 and rounded once, or split, the
-# adapters' term rounded first and dY W added to it (`_linear_plus_low_rank`; peft rounds each adapter's term to x's
-# dtype and adds it to its rounded dY W); dA, dB as above; no dW unless the
+# adapters (`_with_adapters`); dx = dY W + sum_a d_a(u_a A_a) summed in fp32 and rounded once, or split, dY W
+# rounded first (peft rounds each adapter's term to x's dtype and then adds); dA, dB as above; no dW unless the
 # base weight requires grad. Why an op:
 # peft runs an fp32 adapter of a bf16 model as fp32 GEMMs on an fp32 copy of x, on FFMA units: in a graphed 4-layer
 # E4B LoRA step on the H200 (2026-12-04, session 24) those were 1.9 of 21.4 ms of GPU time, nearly all in the four
 # attention projections once the MLP's products ran split (`_split_mm`, which this op uses too). With this op (and
 # G4OPS_LORA_SPLIT=1) they fell to about 1.0 ms, the K=r products that then stayed fp32, and the graphed 42-layer
 # step went from 15444 to 16081 tok/s (bench/results/2026-12-04-h200-session24.md). Those products are now folded
-# with the base GEMMs: 16916 tok/s (bench/results/2026-12-05-h200-session27.md; then as a GEMM adding into the base
-# output, now `_linear_plus_low_rank`).
+# into the base GEMMs (`_plus_low_rank`): 16916 tok/s (bench/results/2026-12-05-h200-session27.md).
 
 
 def lora_linear_forward_math(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
-    return _with_adapters(weight, x, lora_a, lora_b, scaling, _per_adapter_masks(dropout, dropout_mask))
+    return _with_adapters(F.linear(x, weight), x, lora_a, lora_b, scaling, _per_adapter_masks(dropout, dropout_mask))
 
 
 def lora_linear_backward_math(grad_out, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, lora_mid,
@@ -706,7 +690,7 @@ def lora_linear_backward_math(grad_out, x, weight, lora_a, lora_b, scaling, drop
                                                 acc)  # fmt: skip
     grad_a = _a_grads(us, x, lora_a, drops, lora_mask[:n])
     if output_mask[0]:
-        grad_x = _linear_plus_low_rank(grad_out, weight.t(), folds)
+        grad_x = _plus_low_rank(F.linear(grad_out, weight.t()), folds)
         if lora_x is not None:
             grad_x = (grad_x.to(acc) + lora_x).to(x.dtype)
         grad_x = grad_x.contiguous()

@@ -168,9 +168,8 @@ def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monke
     split_calls = []
     split_mm = lora._split_mm
     monkeypatch.setattr(lora, "_split_mm", lambda a, b: split_calls.append(1) or split_mm(a, b))
-    folds, fold = [], lora._linear_plus_low_rank  # folds: one entry per call with at least one low-rank product
-    monkeypatch.setattr(lora, "_linear_plus_low_rank",
-                        lambda x, w, pairs: folds.extend(pairs[:1]) or fold(x, w, pairs))
+    folds, fold = [], lora._plus_low_rank  # folds: one entry per call that folds at least one product
+    monkeypatch.setattr(lora, "_plus_low_rank", lambda out, pairs: folds.extend(pairs[:1]) or fold(out, pairs))
     # peft's default (autocast_adapter_dtype=True) keeps a bf16 model's adapters in fp32
     model = _mlp_model(device, BF16).train()
     if not adapter_fp32:
@@ -187,7 +186,7 @@ def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monke
     assert all(ours[3].get(op) == 1 for op in FUSED_TRAIN)
     # per projection: A(x) in the forward; dY @ B, dB and dA in the backward
     assert len(split_calls) == (4 * 3 if split and adapter_fp32 else 0), len(split_calls)
-    # and per projection, B's products in the forward and A's in dx are one GEMM that the base GEMM adds into
+    # and per projection, B's products in the forward and A's in dx fold into the base GEMMs' outputs
     assert len(folds) == (3 + 2 if split and adapter_fp32 else 0), len(folds)
     n = TOKENS[0] * TOKENS[1]
     pairs = [("out", ours[0], stock[0], truth[0], INTER), ("grad_x", ours[1], stock[1], truth[1], INTER)]
@@ -257,34 +256,30 @@ def test_split_pairs_hold_the_exact_product(run):
 
 @pytest.mark.parametrize("gemm", ["device's", "baddbmm"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_linear_plus_low_rank_rounds_the_low_rank_term_then_the_sum(device, gemm, monkeypatch):
-    """bf16 x W^T + two fp32 low-rank products, one of them on strided rows: the exact low-rank sum rounded once to
-    bf16, then the exact base product added to it and rounded once, up to an fp32 accumulator's rounding (a result
-    may sit one bf16 ulp off where an exact sum is near a tie). "baddbmm": the CUDA formula wherever the test runs
-    (on CPU too, so CI executes it: CPU's bf16 baddbmm rounds once as well)."""
+def test_plus_low_rank_rounds_once(device, gemm, monkeypatch):
+    """bf16 out + two fp32 low-rank products, one of them on strided rows: the exact sum rounded once to bf16, up to
+    an fp32 accumulator's rounding (a result may sit one bf16 ulp off where the exact sum is near a tie). "baddbmm":
+    the CUDA formula wherever the test runs (on CPU too, so CI executes it: CPU's bf16 baddbmm rounds once as well)."""
     if gemm == "baddbmm":
         monkeypatch.setattr(lora, "_gemm_adds_c_unrounded", lambda c: True)
         calls = []
         real_baddbmm_ = torch.Tensor.baddbmm_
         monkeypatch.setattr(torch.Tensor, "baddbmm_", lambda *a, **kw: calls.append(a) or real_baddbmm_(*a, **kw))
     gen = torch.Generator().manual_seed(6)
-    t, k, n = (3, 11), 37, 41
-    x, w = O.make_tensor((*t, k), BF16, gen, device=device), O.make_tensor((n, k), BF16, gen, device=device)
+    t, n = (3, 11), 41
+    out = O.make_tensor((*t, n), BF16, gen, device=device)
     pairs = [(O.make_tensor((*t, 4), F32, gen, device=device, scale=0.7), O.make_tensor((n, 4), F32, gen,
                                                                                           device=device)),
              (O.make_tensor((*t, 2), F32, gen, device=device, layout="sliced"),
               O.make_tensor((2, n), F32, gen, device=device).t())]  # fmt: skip
-    low_rank = sum(left.double() @ right.double().t() for left, right in pairs).to(BF16)
-    rounded = (x.double() @ w.double().t() + low_rank.double()).to(BF16)
-    got = lora._linear_plus_low_rank(x, w, pairs)
-    assert got.dtype == BF16 and got.shape == (*t, n)
+    exact = out.double() + sum(left.double() @ right.double().t() for left, right in pairs)
+    got = lora._plus_low_rank(out.clone(), pairs)  # it writes into its `out`
+    assert got.dtype == BF16 and got.shape == out.shape
+    rounded = exact.to(BF16)
     ulp = (rounded.double().abs() * 2.0**-7).clamp_min(2.0**-133)
     assert ((got.double() - rounded.double()).abs() <= ulp).all()
     assert (got == rounded).float().mean() > 0.98
-    # rounding x W^T first instead (peft's order) would not be this result everywhere
-    peft_order = ((x.double() @ w.double().t()).to(BF16).double() + low_rank.double()).to(BF16)
-    assert not torch.equal(peft_order, rounded)
-    assert torch.equal(lora._linear_plus_low_rank(x, w, []), F.linear(x, w))
+    assert lora._plus_low_rank(out, []) is out
     if gemm == "baddbmm":
         assert len(calls) == 1
 
@@ -298,11 +293,10 @@ def test_opcheck_add_product_rounded(device):
     torch.library.opcheck(torch.ops.g4ops.add_product_rounded, (c, a, b))
 
 
-def test_linear_plus_low_rank_adds_the_base_gemm_into_the_low_rank_output_under_inductor():
-    """Compiled, the base GEMM adds into the low-rank GEMM's output buffer, with no copy of it first: the op that
-    mutates it is re-inplaced by Inductor (out-of-place, ATen's baddbmm copies c into its result: one [T, n] memcpy
-    per call on the GPU). The generated code hands the mm's own output buffer to the op; the result is eager's,
-    bitwise."""
+def test_plus_low_rank_adds_into_the_base_output_under_inductor():
+    """Compiled, the fold writes into the base GEMM's output buffer, with no copy of it first: the op that mutates it
+    is re-inplaced by Inductor (out-of-place, ATen's baddbmm copies c into its result: one [T, n] memcpy per fold on
+    the GPU). The generated code hands the mm's own output buffer to the op; the result is eager's, bitwise."""
     from torch._inductor.utils import run_and_get_code
 
     gen = torch.Generator().manual_seed(8)
@@ -310,7 +304,7 @@ def test_linear_plus_low_rank_adds_the_base_gemm_into_the_low_rank_output_under_
     left, right = O.make_tensor((2, 5, 4), F32, gen), O.make_tensor((24, 4), F32, gen)
 
     def fold(x, w, left, right):
-        return lora._linear_plus_low_rank(x, w, [(left, right)])
+        return lora._plus_low_rank(F.linear(x, w), [(left, right)])
 
     torch._dynamo.reset()
     try:
@@ -321,6 +315,7 @@ def test_linear_plus_low_rank_adds_the_base_gemm_into_the_low_rank_output_under_
     (mm_out,) = re.findall(r"extern_kernels\.mm\(.*out=(buf\d+)\)", code)
     (op_arg,) = re.findall(r"g4ops\.add_product_rounded\.default\((buf\d+),", code)
     assert op_arg == mm_out, code
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # peft's adapter states

@@ -144,9 +144,8 @@ def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monke
     split_calls = []
     split_mm = lora._split_mm
     monkeypatch.setattr(lora, "_split_mm", lambda a, b: split_calls.append(1) or split_mm(a, b))
-    folds, fold = [], lora._linear_plus_low_rank  # folds: one entry per call with at least one low-rank product
-    monkeypatch.setattr(lora, "_linear_plus_low_rank",
-                        lambda x, w, pairs: folds.extend(pairs[:1]) or fold(x, w, pairs))
+    folds, fold = [], lora._plus_low_rank  # folds: one entry per call that folds at least one product
+    monkeypatch.setattr(lora, "_plus_low_rank", lambda out, pairs: folds.extend(pairs[:1]) or fold(out, pairs))
     model = _model(device, BF16).train()  # peft keeps a bf16 model's adapters in fp32
     if not adapter_fp32:
         for name, p in model.named_parameters():
@@ -159,7 +158,7 @@ def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monke
     assert all(ours[3].get(op) == 2 for op in TRAIN)
     # per projection: A(x) in the forward; dY @ B, dB and dA in the backward
     assert len(split_calls) == (4 * 2 if split and adapter_fp32 else 0), len(split_calls)
-    # and per projection, B's products in the forward and A's in dx are one GEMM that the base GEMM adds into
+    # and per projection, B's products in the forward and A's in dx fold into the base GEMMs' outputs
     assert len(folds) == (2 * 2 if split and adapter_fp32 else 0), len(folds)
     k = TOKENS[0] * TOKENS[1]
     pairs = [("out", ours[0], stock[0], truth[0], HIDDEN), ("grad_x", ours[1], stock[1], truth[1], HIDDEN)]
