@@ -102,14 +102,9 @@ __global__ void rms_norm_fwd_kernel(const T* __restrict__ x,   // [rows, N] addr
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Backward. WITH_DW (a weight gradient wanted): persistent over rows (grid-stride by row groups of rpb * RPT rows) so
-// that each CTA's weight-gradient partial covers a fixed, deterministic set of rows. Without (a frozen or absent
-// weight, as under LoRA): one group per CTA, as the forward. The persistent loop and the accumulators cost registers
-// (nvcc 13.0, sm_90a, bf16 at 2560 columns: 78 per thread with RPT = 2, 40 without a weight gradient and RPT = 1),
-// so 2 CTAs of 320 threads per SM instead of 5, each walking its groups one after another: in session 31's LoRA
-// profile (H100) the [2048, 2560] call took 16.7 us against the forward's 6.5
-// (bench/results/2026-12-05-h100-session31.md).
-template <typename T, typename WT, int VEC, int ITEMS, int RPT, bool WITH_DW>
+// Backward. Persistent over rows (grid-stride by row groups of rpb * RPT rows) so that each CTA's weight-gradient
+// partial covers a fixed, deterministic set of rows.
+template <typename T, typename WT, int VEC, int ITEMS, int RPT>
 __global__ void rms_norm_bwd_kernel(const T* __restrict__ dy,          // [rows, N] addressed through di
                                     RowIndexer di,
                                     const T* __restrict__ x,           // [rows, N] addressed through xi
@@ -131,10 +126,7 @@ __global__ void rms_norm_bwd_kernel(const T* __restrict__ dy,          // [rows,
   int parity = 0;
   for (int64_t group = blockIdx.x; group * group_rows < rows; group += gridDim.x, parity ^= 1) {
     const int64_t row0 = group * group_rows + int64_t(threadIdx.y) * RPT;
-    if (row0 >= rows) {  // only with rpb > 1 (warp-only reductions)
-      if (!WITH_DW) return;
-      continue;
-    }
+    if (row0 >= rows) continue;  // only with rpb > 1 (warp-only reductions)
     Vec<T, VEC> xv[RPT][ITEMS], dv[RPT][ITEMS];
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
@@ -196,13 +188,12 @@ __global__ void rms_norm_bwd_kernel(const T* __restrict__ dy,          // [rows,
             const float d = to_float(dv[r][i].v[k]);
             const float g = w != nullptr ? d * to_float(wv.v[k]) : d;
             out.v[k] = from_float<T>(inv * (g - xhat * m));
-            if (WITH_DW) wacc[i][k] += d * xhat;
+            wacc[i][k] += d * xhat;
           }
           store_vec<T, VEC>(dxr + int64_t(c) * VEC, out);
         }
       }
     }
-    if (!WITH_DW) return;  // one group per CTA: the grid covers every group
   }
 
   if (dw_partial != nullptr) {
@@ -341,29 +332,24 @@ at::Tensor rms_norm_cuda(const at::Tensor& x_in, const std::optional<at::Tensor>
 // ---------------------------------------------------------------------------------------------------------------
 // Backward launcher.
 
-// RPT: rows per thread row-group with a weight gradient; without one a thread takes one row, as in the forward.
 template <typename T, typename WT, int VEC, int ITEMS, int RPT = 1>
 bool launch_bwd(const RowConfig& cfg, const T* dy, const RowIndexer& di, const T* x, const RowIndexer& xi,
-                const WT* w, T* dx, at::Tensor* partial, int64_t rows, int N, float eps, cudaStream_t stream) {
+                const WT* w, T* dx, at::Tensor* partial, int64_t rows, int N, float eps, cudaStream_t stream,
+                int& grid_out) {
   const dim3 block(cfg.tpr, cfg.rpb);
-  const float inv_n = 1.0f / float(N);
-  if (partial == nullptr) {
-    auto kernel = rms_norm_bwd_kernel<T, WT, VEC, ITEMS, 1, false>;
-    if (cfg.tpr * cfg.rpb > kernel_max_threads(reinterpret_cast<const void*>(kernel))) return false;
-    const int64_t grid = (rows + cfg.rpb - 1) / cfg.rpb;
-    kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(dy, di, x, xi, w, dx, nullptr, rows, N, eps, inv_n);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return true;
-  }
-  auto kernel = rms_norm_bwd_kernel<T, WT, VEC, ITEMS, RPT, true>;
+  auto kernel = rms_norm_bwd_kernel<T, WT, VEC, ITEMS, RPT>;
   if (cfg.tpr * cfg.rpb > kernel_max_threads(reinterpret_cast<const void*>(kernel))) return false;
   const int per_sm = blocks_per_sm(reinterpret_cast<const void*>(kernel), cfg.tpr * cfg.rpb);
   const int64_t per_group = int64_t(cfg.rpb) * RPT;
   const int64_t groups = (rows + per_group - 1) / per_group;
   const int grid = static_cast<int>(std::min<int64_t>(groups, int64_t(std::max(per_sm, 1)) * num_sms()));
-  *partial = at::empty({int64_t(grid) * cfg.rpb, N}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
-  float* pp = partial->data_ptr<float>();  // every row is written: warps past `rows` write zeros
-  kernel<<<grid, block, 0, stream>>>(dy, di, x, xi, w, dx, pp, rows, N, eps, inv_n);
+  grid_out = grid;
+  float* pp = nullptr;
+  if (partial != nullptr) {
+    *partial = at::empty({int64_t(grid) * cfg.rpb, N}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+    pp = partial->data_ptr<float>();  // every row is written: warps past `rows` write zeros
+  }
+  kernel<<<grid, block, 0, stream>>>(dy, di, x, xi, w, dx, pp, rows, N, eps, 1.0f / float(N));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }
@@ -382,18 +368,19 @@ bool rms_norm_bwd_typed(const at::Tensor& dy, const RowIndexer& di, const at::Te
   at::Tensor* pp = want_dw ? &partial : nullptr;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   constexpr int V = 16 / sizeof(T);
+  int grid = 0;
   bool launched = false;
   if (cfg.vec == 1) {
-    launched = launch_bwd<T, WT, 1, 8>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream);
+    launched = launch_bwd<T, WT, 1, 8>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream, grid);
   } else {
     switch (cfg.items) {
       case 1:
         launched = cfg.tpr > 32
-                       ? launch_bwd<T, WT, V, 1, 2>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream)
-                       : launch_bwd<T, WT, V, 1>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream);
+                       ? launch_bwd<T, WT, V, 1, 2>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream, grid)
+                       : launch_bwd<T, WT, V, 1>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream, grid);
         break;
-      case 2: launched = launch_bwd<T, WT, V, 2>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream); break;
-      default: launched = launch_bwd<T, WT, V, 4>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream); break;
+      case 2: launched = launch_bwd<T, WT, V, 2>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream, grid); break;
+      default: launched = launch_bwd<T, WT, V, 4>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream, grid); break;
     }
   }
   return launched;

@@ -136,11 +136,9 @@ __global__ void sandwich_norm_fwd_kernel(const T* __restrict__ branch,    // [ro
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Backward. WITH_DW (a weight gradient wanted): persistent over rows (grid-stride by groups of rpb rows) so that each
-// CTA row slot's weight-gradient partials cover a fixed, deterministic set of rows. Without (frozen or absent
-// weights, as under LoRA): one group per CTA, as the forward; the persistent loop costs registers and so occupancy
-// (rms_norm.cu's rms_norm_bwd_kernel: bf16 at 2560 columns, 56 registers per thread here against 96).
-template <typename T, typename WT, int VEC, int ITEMS, bool WITH_DW>
+// Backward. Persistent over rows (grid-stride by groups of rpb rows) so that each CTA row slot's weight-gradient
+// partials cover a fixed, deterministic set of rows.
+template <typename T, typename WT, int VEC, int ITEMS>
 __global__ void sandwich_norm_bwd_kernel(const T* __restrict__ grad_sum,        // [rows, N] through gsi
                                          RowIndexer gsi,
                                          const T* __restrict__ grad_normed,     // [rows, N] through gni
@@ -169,10 +167,7 @@ __global__ void sandwich_norm_bwd_kernel(const T* __restrict__ grad_sum,        
 
   for (int64_t group = blockIdx.x; group * rpb < rows; group += gridDim.x) {
     const int64_t row = group * rpb + threadIdx.y;
-    if (row >= rows) {  // only with rpb > 1 (warp-only reductions)
-      if (!WITH_DW) return;
-      continue;
-    }
+    if (row >= rows) continue;  // only with rpb > 1 (warp-only reductions)
     const T* gsr = grad_sum + gsi.offset(row);
     const T* gnr = grad_normed + gni.offset(row);
     const T* br = branch + bi.offset(row);
@@ -239,7 +234,7 @@ __global__ void sandwich_norm_bwd_kernel(const T* __restrict__ grad_sum,        
           const float d = to_float(gsv[i].v[k]) + inv_s * (g2 - s_hat * m_s);
           ds[i][k] = d;
           out.v[k] = from_float<T>(d);
-          if (WITH_DW) acc_pre[i][k] += gn * s_hat;
+          acc_pre[i][k] += gn * s_hat;
           const float g1 = post_w != nullptr ? d * to_float(wp.v[k]) : d;
           dot[0] += g1 * to_float(bv[i].v[k]);
         }
@@ -264,12 +259,11 @@ __global__ void sandwich_norm_bwd_kernel(const T* __restrict__ grad_sum,        
           const float b_hat = to_float(bv[i].v[k]) * inv_b;
           const float g1 = post_w != nullptr ? ds[i][k] * to_float(wp.v[k]) : ds[i][k];
           out.v[k] = from_float<T>(inv_b * (g1 - b_hat * m_b));
-          if (WITH_DW) acc_post[i][k] += ds[i][k] * b_hat;
+          acc_post[i][k] += ds[i][k] * b_hat;
         }
         store_vec<T, VEC>(gbr + int64_t(c) * VEC, out);
       }
     }
-    if (!WITH_DW) return;  // one group per CTA: the grid covers every group
   }
 
   // every slot writes its partial row, also a slot that got no rows (zeros), so the second pass reads no garbage
@@ -498,26 +492,24 @@ struct BwdArgs {
 
 template <typename T, typename WT, int VEC, int ITEMS>
 bool launch_bwd(const RowConfig& cfg, BwdArgs& a) {
-  const int nparts = int(a.want_post) + int(a.want_pre);
-  auto kernel = nparts > 0 ? sandwich_norm_bwd_kernel<T, WT, VEC, ITEMS, true>
-                           : sandwich_norm_bwd_kernel<T, WT, VEC, ITEMS, false>;
+  auto kernel = sandwich_norm_bwd_kernel<T, WT, VEC, ITEMS>;
   const int threads = cfg.tpr * cfg.rpb;
   if (threads > kernel_max_threads(reinterpret_cast<const void*>(kernel))) return false;
+  // the grid (and so the partial layout) depends only on the kernel and the device: deterministic
+  const int per_sm = blocks_per_sm(reinterpret_cast<const void*>(kernel), threads);
   const int64_t groups = (a.rows + cfg.rpb - 1) / cfg.rpb;
-  int64_t grid = groups;
+  const int grid = static_cast<int>(std::min<int64_t>(groups, int64_t(std::max(per_sm, 1)) * num_sms()));
+  a.P = grid * cfg.rpb;
   float* post_partial = nullptr;
   float* pre_partial = nullptr;
+  const int nparts = int(a.want_post) + int(a.want_pre);
   if (nparts > 0) {
-    // the grid (and so the partial layout) depends only on the kernel and the device: deterministic
-    const int per_sm = blocks_per_sm(reinterpret_cast<const void*>(kernel), threads);
-    grid = std::min<int64_t>(groups, int64_t(std::max(per_sm, 1)) * num_sms());
-    a.P = static_cast<int>(grid) * cfg.rpb;
     a.partial = at::empty({nparts, int64_t(a.P), int64_t(a.N)}, a.branch->options().dtype(at::kFloat));
     float* base = a.partial.data_ptr<float>();
     if (a.want_post) post_partial = base;
     if (a.want_pre) pre_partial = base + (a.want_post ? int64_t(a.P) * a.N : 0);
   }
-  kernel<<<static_cast<unsigned>(grid), dim3(cfg.tpr, cfg.rpb), 0, at::cuda::getCurrentCUDAStream()>>>(
+  kernel<<<grid, dim3(cfg.tpr, cfg.rpb), 0, at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const T*>(a.grad_sum->data_ptr()), a.gsi,
       reinterpret_cast<const T*>(a.grad_normed->data_ptr()), a.gni, reinterpret_cast<const T*>(a.branch->data_ptr()),
       a.bi, reinterpret_cast<const T*>(a.s->data_ptr()), a.si, weight_ptr<WT>(*a.post), weight_ptr<WT>(*a.pre),
