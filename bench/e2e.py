@@ -789,8 +789,9 @@ def print_table(results):
 def meta(args):
     info = dict(
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), python=platform.python_version(),
-        torch=torch.__version__, args=vars(args), g4ops_kernels=str(g4ops.kernel_status()),
-    )
+        torch=torch.__version__, args=vars(args),
+    )  # no kernel status here: taken before any row loads the kernels, it read "not attempted"; train rows record
+    # `g4ops_kernels_loaded` after their steps
     try:
         import transformers
 
