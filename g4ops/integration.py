@@ -153,16 +153,21 @@ def _layer_params(stock_forward) -> tuple[list[str], dict] | None:
     return names, {p.name: p.default for p in params if p.default is not p.empty}
 
 
+def _is_our_forward(forward) -> bool:
+    """Whether `forward` (a function or a bound method) is one we installed. The mark is read through the bound
+    method, not via `getattr(method, "__func__", None)`: Dynamo in torch 2.11 traced that as None, so under
+    torch.compile every layer of an `enable(model)` model silently ran its stock forward (`_runs_gemma_norm`: two
+    norms and an add where sandwich_norm fuses them)."""
+    return forward is not None and hasattr(forward, _MARK)
+
+
 def _runs_gemma_norm(norm, hf) -> bool:
-    """The module computes Gemma4RMSNorm as stock or our patch does: no hooks, no foreign forward, a plain weight.
-    `hasattr(forward, _MARK)` reads the mark through the bound method: Dynamo in torch 2.11 traced
-    `getattr(method, "__func__", None)` as None, so under torch.compile every layer of an `enable(model)` model
-    silently ran its stock forward (two norms and an add where sandwich_norm fuses them)."""
+    """The module computes Gemma4RMSNorm as stock or our patch does: no hooks, no foreign forward, a plain weight."""
     forward, weight = vars(norm).get("forward"), _norm_weight(norm)
     return (
         isinstance(norm, hf.Gemma4RMSNorm)
         and _stock_forward_of(type(norm)) is _stock_forward_of(hf.Gemma4RMSNorm)
-        and (forward is None or hasattr(forward, _MARK))
+        and (forward is None or _is_our_forward(forward))
         and not norm._forward_hooks
         and not norm._forward_pre_hooks
         and (weight is None or _is_plain_tensor(weight))
@@ -514,7 +519,7 @@ def _unpatch_class(cls: type) -> None:
 
 def _unpatch_module(module: nn.Module) -> None:
     forward = vars(module).get("forward")
-    if forward is not None and hasattr(getattr(forward, "__func__", None), _MARK):
+    if _is_our_forward(forward):
         del module.forward
     generate = vars(module).get("generate")
     if generate is not None and hasattr(getattr(generate, "__func__", None), _STOCK_GENERATE):
@@ -926,7 +931,6 @@ def is_enabled(model: nn.Module | None = None) -> bool:
     if model is None:
         return bool(_class_patches)
     for module in model.modules():
-        forward = getattr(module, "forward", None)
-        if hasattr(getattr(forward, "__func__", forward), _MARK):
+        if _is_our_forward(getattr(module, "forward", None)):
             return True
     return False

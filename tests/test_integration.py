@@ -366,6 +366,8 @@ def test_compiled_lora_step_has_no_missing_attribute_guards_on_modules():
     peft = pytest.importorskip("peft")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
+    unnamed = []  # hasattr guards whose attribute this torch does not name
+
     def missing_attribute_guards(use_g4ops: bool) -> set:
         model = build_model("tiny-e4b", num_layers=2).train()
         if use_g4ops:
@@ -393,7 +395,6 @@ def test_compiled_lora_step_has_no_missing_attribute_guards_on_modules():
         g4ops.disable()
         return found
 
-    unnamed = []
     stock = missing_attribute_guards(False)
     ours = missing_attribute_guards(True)
     if unnamed:
