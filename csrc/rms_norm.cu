@@ -102,9 +102,18 @@ __global__ void rms_norm_fwd_kernel(const T* __restrict__ x,   // [rows, N] addr
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Backward. Persistent over rows (grid-stride by row groups of rpb * RPT rows) so that each CTA's weight-gradient
-// partial covers a fixed, deterministic set of rows.
-template <typename T, typename WT, int VEC, int ITEMS, int RPT>
+// Backward. WITH_DW (a weight gradient wanted): persistent over rows (grid-stride by row groups of rpb * RPT rows) so
+// that each CTA's weight-gradient partial covers a fixed, deterministic set of rows. Without (a frozen or absent
+// weight, as under LoRA): one group per CTA, as the forward. The persistent loop and the accumulators cost registers
+// (nvcc 13.0, sm_90a, bf16 at 2560 columns: 78 per thread with RPT = 2, 40 without a weight gradient and RPT = 1),
+// so 2 CTAs of 320 threads per SM instead of 5, each walking its groups one after another: in session 31's LoRA
+// profile (H100) the [2048, 2560] call took 16.7 us against the forward's 6.5
+// (bench/results/2026-12-05-h100-session31.md).
+// dx must not depend on whether a weight gradient was asked for. The two instantiations are compiled apart, and nvcc
+// may contract a * b + c into an FMA in one and not the other, so the roundings are pinned (__fmul_rn / __fmaf_rn;
+// sandwich_norm.cu's backward likewise); and launch_bwd sends both kinds of call to the fallback where the
+// weight-gradient kernel cannot launch (the cause of session 31's 5125-column mismatch, found in session 32).
+template <typename T, typename WT, int VEC, int ITEMS, int RPT, bool WITH_DW>
 __global__ void rms_norm_bwd_kernel(const T* __restrict__ dy,          // [rows, N] addressed through di
                                     RowIndexer di,
                                     const T* __restrict__ x,           // [rows, N] addressed through xi
@@ -126,7 +135,10 @@ __global__ void rms_norm_bwd_kernel(const T* __restrict__ dy,          // [rows,
   int parity = 0;
   for (int64_t group = blockIdx.x; group * group_rows < rows; group += gridDim.x, parity ^= 1) {
     const int64_t row0 = group * group_rows + int64_t(threadIdx.y) * RPT;
-    if (row0 >= rows) continue;  // only with rpb > 1 (warp-only reductions)
+    if (row0 >= rows) {  // only with rpb > 1 (warp-only reductions)
+      if (!WITH_DW) return;
+      continue;
+    }
     Vec<T, VEC> xv[RPT][ITEMS], dv[RPT][ITEMS];
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
@@ -159,9 +171,9 @@ __global__ void rms_norm_bwd_kernel(const T* __restrict__ dy,          // [rows,
             for (int k = 0; k < VEC; ++k) {
               const float xf = to_float(xv[r][i].v[k]);
               const float d = to_float(dv[r][i].v[k]);
-              const float g = w != nullptr ? d * to_float(wv.v[k]) : d;
-              sums[2 * r] += xf * xf;
-              sums[2 * r + 1] += g * xf;
+              const float g = w != nullptr ? __fmul_rn(d, to_float(wv.v[k])) : d;
+              sums[2 * r] = __fmaf_rn(xf, xf, sums[2 * r]);
+              sums[2 * r + 1] = __fmaf_rn(g, xf, sums[2 * r + 1]);
             }
           }
         }
@@ -184,16 +196,17 @@ __global__ void rms_norm_bwd_kernel(const T* __restrict__ dy,          // [rows,
           Vec<T, VEC> out;
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
-            const float xhat = to_float(xv[r][i].v[k]) * inv;
+            const float xhat = __fmul_rn(to_float(xv[r][i].v[k]), inv);
             const float d = to_float(dv[r][i].v[k]);
-            const float g = w != nullptr ? d * to_float(wv.v[k]) : d;
-            out.v[k] = from_float<T>(inv * (g - xhat * m));
-            wacc[i][k] += d * xhat;
+            const float g = w != nullptr ? __fmul_rn(d, to_float(wv.v[k])) : d;
+            out.v[k] = from_float<T>(__fmul_rn(inv, __fmaf_rn(-xhat, m, g)));
+            if (WITH_DW) wacc[i][k] = __fmaf_rn(d, xhat, wacc[i][k]);
           }
           store_vec<T, VEC>(dxr + int64_t(c) * VEC, out);
         }
       }
     }
+    if (!WITH_DW) return;  // one group per CTA: the grid covers every group
   }
 
   if (dw_partial != nullptr) {
@@ -332,24 +345,30 @@ at::Tensor rms_norm_cuda(const at::Tensor& x_in, const std::optional<at::Tensor>
 // ---------------------------------------------------------------------------------------------------------------
 // Backward launcher.
 
+// RPT: rows per thread row-group with a weight gradient; without one a thread takes one row, as in the forward.
 template <typename T, typename WT, int VEC, int ITEMS, int RPT = 1>
 bool launch_bwd(const RowConfig& cfg, const T* dy, const RowIndexer& di, const T* x, const RowIndexer& xi,
-                const WT* w, T* dx, at::Tensor* partial, int64_t rows, int N, float eps, cudaStream_t stream,
-                int& grid_out) {
+                const WT* w, T* dx, at::Tensor* partial, int64_t rows, int N, float eps, cudaStream_t stream) {
   const dim3 block(cfg.tpr, cfg.rpb);
-  auto kernel = rms_norm_bwd_kernel<T, WT, VEC, ITEMS, RPT>;
+  const float inv_n = 1.0f / float(N);
+  auto kernel = rms_norm_bwd_kernel<T, WT, VEC, ITEMS, RPT, true>;
+  // where the weight-gradient kernel cannot launch this block, neither kind of call takes a kernel (see the kernel)
   if (cfg.tpr * cfg.rpb > kernel_max_threads(reinterpret_cast<const void*>(kernel))) return false;
+  if (partial == nullptr) {
+    auto light = rms_norm_bwd_kernel<T, WT, VEC, ITEMS, 1, false>;
+    if (cfg.tpr * cfg.rpb > kernel_max_threads(reinterpret_cast<const void*>(light))) return false;
+    const int64_t grid = (rows + cfg.rpb - 1) / cfg.rpb;
+    light<<<static_cast<unsigned>(grid), block, 0, stream>>>(dy, di, x, xi, w, dx, nullptr, rows, N, eps, inv_n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return true;
+  }
   const int per_sm = blocks_per_sm(reinterpret_cast<const void*>(kernel), cfg.tpr * cfg.rpb);
   const int64_t per_group = int64_t(cfg.rpb) * RPT;
   const int64_t groups = (rows + per_group - 1) / per_group;
   const int grid = static_cast<int>(std::min<int64_t>(groups, int64_t(std::max(per_sm, 1)) * num_sms()));
-  grid_out = grid;
-  float* pp = nullptr;
-  if (partial != nullptr) {
-    *partial = at::empty({int64_t(grid) * cfg.rpb, N}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
-    pp = partial->data_ptr<float>();  // every row is written: warps past `rows` write zeros
-  }
-  kernel<<<grid, block, 0, stream>>>(dy, di, x, xi, w, dx, pp, rows, N, eps, 1.0f / float(N));
+  *partial = at::empty({int64_t(grid) * cfg.rpb, N}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+  float* pp = partial->data_ptr<float>();  // every row is written: warps past `rows` write zeros
+  kernel<<<grid, block, 0, stream>>>(dy, di, x, xi, w, dx, pp, rows, N, eps, inv_n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }
@@ -368,19 +387,18 @@ bool rms_norm_bwd_typed(const at::Tensor& dy, const RowIndexer& di, const at::Te
   at::Tensor* pp = want_dw ? &partial : nullptr;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   constexpr int V = 16 / sizeof(T);
-  int grid = 0;
   bool launched = false;
   if (cfg.vec == 1) {
-    launched = launch_bwd<T, WT, 1, 8>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream, grid);
+    launched = launch_bwd<T, WT, 1, 8>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream);
   } else {
     switch (cfg.items) {
       case 1:
         launched = cfg.tpr > 32
-                       ? launch_bwd<T, WT, V, 1, 2>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream, grid)
-                       : launch_bwd<T, WT, V, 1>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream, grid);
+                       ? launch_bwd<T, WT, V, 1, 2>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream)
+                       : launch_bwd<T, WT, V, 1>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream);
         break;
-      case 2: launched = launch_bwd<T, WT, V, 2>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream, grid); break;
-      default: launched = launch_bwd<T, WT, V, 4>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream, grid); break;
+      case 2: launched = launch_bwd<T, WT, V, 2>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream); break;
+      default: launched = launch_bwd<T, WT, V, 4>(cfg, dyp, di, xp, xi, wp, dxp, pp, rows, N, eps, stream); break;
     }
   }
   return launched;

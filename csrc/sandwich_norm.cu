@@ -136,9 +136,11 @@ __global__ void sandwich_norm_fwd_kernel(const T* __restrict__ branch,    // [ro
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Backward. Persistent over rows (grid-stride by groups of rpb rows) so that each CTA row slot's weight-gradient
-// partials cover a fixed, deterministic set of rows.
-template <typename T, typename WT, int VEC, int ITEMS>
+// Backward. WITH_DW (a weight gradient wanted): persistent over rows (grid-stride by groups of rpb rows) so that each
+// CTA row slot's weight-gradient partials cover a fixed, deterministic set of rows. Without (frozen or absent
+// weights, as under LoRA): one group per CTA, as the forward; the persistent loop costs registers and so occupancy
+// (rms_norm.cu's rms_norm_bwd_kernel: bf16 at 2560 columns, 56 registers per thread here against 96).
+template <typename T, typename WT, int VEC, int ITEMS, bool WITH_DW>
 __global__ void sandwich_norm_bwd_kernel(const T* __restrict__ grad_sum,        // [rows, N] through gsi
                                          RowIndexer gsi,
                                          const T* __restrict__ grad_normed,     // [rows, N] through gni
@@ -167,7 +169,10 @@ __global__ void sandwich_norm_bwd_kernel(const T* __restrict__ grad_sum,        
 
   for (int64_t group = blockIdx.x; group * rpb < rows; group += gridDim.x) {
     const int64_t row = group * rpb + threadIdx.y;
-    if (row >= rows) continue;  // only with rpb > 1 (warp-only reductions)
+    if (row >= rows) {  // only with rpb > 1 (warp-only reductions)
+      if (!WITH_DW) return;
+      continue;
+    }
     const T* gsr = grad_sum + gsi.offset(row);
     const T* gnr = grad_normed + gni.offset(row);
     const T* br = branch + bi.offset(row);
@@ -195,10 +200,10 @@ __global__ void sandwich_norm_bwd_kernel(const T* __restrict__ grad_sum,        
         for (int k = 0; k < VEC; ++k) {
           const float sf = to_float(sv[i].v[k]), bf = to_float(bv[i].v[k]);
           const float gn = to_float(gnv[i].v[k]);
-          const float g2 = pre_w != nullptr ? gn * to_float(wv.v[k]) : gn;
-          sums[0] += sf * sf;
-          sums[1] += g2 * sf;
-          sums[2] += bf * bf;
+          const float g2 = pre_w != nullptr ? __fmul_rn(gn, to_float(wv.v[k])) : gn;
+          sums[0] = __fmaf_rn(sf, sf, sums[0]);
+          sums[1] = __fmaf_rn(g2, sf, sums[1]);
+          sums[2] = __fmaf_rn(bf, bf, sums[2]);
         }
       }
     }
@@ -228,15 +233,15 @@ __global__ void sandwich_norm_bwd_kernel(const T* __restrict__ grad_sum,        
         Vec<T, VEC> out;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          const float s_hat = to_float(sv[i].v[k]) * inv_s;
+          const float s_hat = __fmul_rn(to_float(sv[i].v[k]), inv_s);
           const float gn = to_float(gnv[i].v[k]);
-          const float g2 = pre_w != nullptr ? gn * to_float(wq.v[k]) : gn;
-          const float d = to_float(gsv[i].v[k]) + inv_s * (g2 - s_hat * m_s);
+          const float g2 = pre_w != nullptr ? __fmul_rn(gn, to_float(wq.v[k])) : gn;
+          const float d = __fmaf_rn(inv_s, __fmaf_rn(-s_hat, m_s, g2), to_float(gsv[i].v[k]));
           ds[i][k] = d;
           out.v[k] = from_float<T>(d);
-          acc_pre[i][k] += gn * s_hat;
-          const float g1 = post_w != nullptr ? d * to_float(wp.v[k]) : d;
-          dot[0] += g1 * to_float(bv[i].v[k]);
+          if (WITH_DW) acc_pre[i][k] = __fmaf_rn(gn, s_hat, acc_pre[i][k]);
+          const float g1 = post_w != nullptr ? __fmul_rn(d, to_float(wp.v[k])) : d;
+          dot[0] = __fmaf_rn(g1, to_float(bv[i].v[k]), dot[0]);
         }
         store_vec<T, VEC>(grr + int64_t(c) * VEC, out);
       }
@@ -256,14 +261,15 @@ __global__ void sandwich_norm_bwd_kernel(const T* __restrict__ grad_sum,        
         Vec<T, VEC> out;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          const float b_hat = to_float(bv[i].v[k]) * inv_b;
-          const float g1 = post_w != nullptr ? ds[i][k] * to_float(wp.v[k]) : ds[i][k];
-          out.v[k] = from_float<T>(inv_b * (g1 - b_hat * m_b));
-          acc_post[i][k] += ds[i][k] * b_hat;
+          const float b_hat = __fmul_rn(to_float(bv[i].v[k]), inv_b);
+          const float g1 = post_w != nullptr ? __fmul_rn(ds[i][k], to_float(wp.v[k])) : ds[i][k];
+          out.v[k] = from_float<T>(__fmul_rn(inv_b, __fmaf_rn(-b_hat, m_b, g1)));
+          if (WITH_DW) acc_post[i][k] = __fmaf_rn(ds[i][k], b_hat, acc_post[i][k]);
         }
         store_vec<T, VEC>(gbr + int64_t(c) * VEC, out);
       }
     }
+    if (!WITH_DW) return;  // one group per CTA: the grid covers every group
   }
 
   // every slot writes its partial row, also a slot that got no rows (zeros), so the second pass reads no garbage
@@ -492,24 +498,29 @@ struct BwdArgs {
 
 template <typename T, typename WT, int VEC, int ITEMS>
 bool launch_bwd(const RowConfig& cfg, BwdArgs& a) {
-  auto kernel = sandwich_norm_bwd_kernel<T, WT, VEC, ITEMS>;
+  const int nparts = int(a.want_post) + int(a.want_pre);
+  auto with_dw = sandwich_norm_bwd_kernel<T, WT, VEC, ITEMS, true>;
+  auto kernel = nparts > 0 ? with_dw : sandwich_norm_bwd_kernel<T, WT, VEC, ITEMS, false>;
   const int threads = cfg.tpr * cfg.rpb;
+  // as rms_norm.cu's launch_bwd: where the weight-gradient kernel cannot launch, neither kind of call takes a kernel,
+  // so the gradients never depend on which weight gradients were asked for
+  if (threads > kernel_max_threads(reinterpret_cast<const void*>(with_dw))) return false;
   if (threads > kernel_max_threads(reinterpret_cast<const void*>(kernel))) return false;
-  // the grid (and so the partial layout) depends only on the kernel and the device: deterministic
-  const int per_sm = blocks_per_sm(reinterpret_cast<const void*>(kernel), threads);
   const int64_t groups = (a.rows + cfg.rpb - 1) / cfg.rpb;
-  const int grid = static_cast<int>(std::min<int64_t>(groups, int64_t(std::max(per_sm, 1)) * num_sms()));
-  a.P = grid * cfg.rpb;
+  int64_t grid = groups;
   float* post_partial = nullptr;
   float* pre_partial = nullptr;
-  const int nparts = int(a.want_post) + int(a.want_pre);
   if (nparts > 0) {
+    // the grid (and so the partial layout) depends only on the kernel and the device: deterministic
+    const int per_sm = blocks_per_sm(reinterpret_cast<const void*>(kernel), threads);
+    grid = std::min<int64_t>(groups, int64_t(std::max(per_sm, 1)) * num_sms());
+    a.P = static_cast<int>(grid) * cfg.rpb;
     a.partial = at::empty({nparts, int64_t(a.P), int64_t(a.N)}, a.branch->options().dtype(at::kFloat));
     float* base = a.partial.data_ptr<float>();
     if (a.want_post) post_partial = base;
     if (a.want_pre) pre_partial = base + (a.want_post ? int64_t(a.P) * a.N : 0);
   }
-  kernel<<<grid, dim3(cfg.tpr, cfg.rpb), 0, at::cuda::getCurrentCUDAStream()>>>(
+  kernel<<<static_cast<unsigned>(grid), dim3(cfg.tpr, cfg.rpb), 0, at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const T*>(a.grad_sum->data_ptr()), a.gsi,
       reinterpret_cast<const T*>(a.grad_normed->data_ptr()), a.gni, reinterpret_cast<const T*>(a.branch->data_ptr()),
       a.bi, reinterpret_cast<const T*>(a.s->data_ptr()), a.si, weight_ptr<WT>(*a.post), weight_ptr<WT>(*a.pre),

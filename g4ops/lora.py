@@ -276,14 +276,37 @@ def _split_mm(a, b):
     """a @ b for 2-D a and b, one fp32 and one bf16, as an fp32 GEMM computes it up to the order of its sums: the
     fp32 operand as its three bf16 parts (`_bf16_parts`) side by side, one bf16 GEMM, the three partial products
     summed in fp32. It reads the bf16 operand as it is (an fp32 GEMM needs an fp32 copy) on tensor cores (fp32
-    GEMMs run on FFMA units: the LoRA products of session 21's H200 profile, about 0.9 ms of a 3.0 ms layer)."""
-    if a.dtype == torch.float32:
-        m = a.shape[0]
-        p = _mm_to_fp32(torch.cat(_bf16_parts(a), 0), b)
-        return p[:m] + p[m : 2 * m] + p[2 * m :]
-    n = b.shape[1]
-    p = _mm_to_fp32(a, torch.cat(_bf16_parts(b), 1))
-    return p[:, :n] + p[:, n : 2 * n] + p[:, 2 * n :]
+    GEMMs run on FFMA units: the LoRA products of session 21's H200 profile, about 0.9 ms of a 3.0 ms layer).
+
+    The fp32 side may be a list of matrices that share the bf16 operand (gate's and up's adapters read the same x):
+    then all their parts go side by side into that one GEMM, which reads the bf16 operand once, and the products
+    come back as a list."""
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return _split_mm_shared(a, b)
+    return _split_mm_shared([a], b)[0] if a.dtype == torch.float32 else _split_mm_shared(a, [b])[0]
+
+
+def _split_mm_shared(a, b):
+    """`_split_mm` with its fp32 side a list."""
+    if isinstance(a, (list, tuple)):
+        parts = _mm_to_fp32(torch.cat([p for t in a for p in _bf16_parts(t)], 0), b)
+        return [_sum_of_parts(parts, 0, t.shape[0], i) for t, i in zip(a, _offsets([3 * t.shape[0] for t in a]))]
+    parts = _mm_to_fp32(a, torch.cat([p for t in b for p in _bf16_parts(t)], 1))
+    return [_sum_of_parts(parts, 1, t.shape[1], i) for t, i in zip(b, _offsets([3 * t.shape[1] for t in b]))]
+
+
+def _sum_of_parts(parts, dim, size, start):
+    """hi + mid + lo products of one fp32 operand, its three slices of `size` from `start` along `dim`."""
+    hi, mid, lo = (parts.narrow(dim, start + k * size, size) for k in range(3))
+    return hi + mid + lo
+
+
+def _offsets(sizes):
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += n
+    return out
 
 
 def _split_pairs(left, right):
@@ -334,17 +357,31 @@ def _plus_low_rank(out, pairs):
     return rows.view(out.shape)
 
 
-def _with_adapters(base_out, z, lora_a, lora_b, scaling, drops):
+def _split_products(source, *projections):
+    """A_a(source) of every adapter that takes the split path (`_splits`, no dropout), for projections that read the
+    same source (gate's and up's adapters read x), as one `_split_mm`; None for the others. projections: (lora_a,
+    drops) per projection; returns one list per projection."""
+    wanted = [(k, i) for k, (lora_a, drops) in enumerate(projections) if _splits(source, lora_a)
+              for i, drop in enumerate(drops) if drop[1] is None]  # fmt: skip
+    out = [[None] * len(lora_a) for lora_a, _ in projections]
+    if wanted:
+        products = _split_mm(_rows(source), [projections[k][0][i].t() for k, i in wanted])
+        for (k, i), mid in zip(wanted, products):
+            out[k][i] = mid.reshape(*source.shape[:-1], mid.shape[1])
+    return out
+
+
+def _with_adapters(base_out, z, lora_a, lora_b, scaling, drops, split_mids=None):
     """peft's `lora.Linear.forward` after the base layer, in its order and dtypes: (y, [A_a(dropout_a(z_a))]).
-    Split (`_splits`): the same sum, with B's products folded into one GEMM that adds them to the base output."""
+    Split (`_splits`): the same sum, with A's products from `_split_products` (`split_mids`, when the caller took
+    them together with another projection's) and B's folded into one GEMM that adds them to the base output."""
     y, mids = base_out, []
-    source, split = z, _splits(z, lora_a)  # with `split`, every cast below is bf16 -> fp32: exact
-    for a, b, s, drop in zip(lora_a, lora_b, scaling, drops):
+    split = _splits(z, lora_a)  # with `split`, every cast below is bf16 -> fp32: exact
+    if split_mids is None:
+        split_mids = _split_products(z, (lora_a, drops))[0]
+    for a, b, s, drop, split_mid in zip(lora_a, lora_b, scaling, drops, split_mids):
         z = z.to(a.dtype)  # peft's _cast_input_dtype, cumulative like its loop
-        if split and drop[1] is None:
-            mid = _split_mm(_rows(source), a.t()).reshape(*source.shape[:-1], a.shape[0])
-        else:
-            mid = F.linear(_dropped(z, drop), a)
+        mid = split_mid if split_mid is not None else F.linear(_dropped(z, drop), a)
         mids.append(mid.contiguous())
         if not split:
             y = y + F.linear(mid, b) * s
@@ -367,8 +404,9 @@ def lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling
     gb, ub, db = _split(lora_b, counts)
     gs, us, ds = _split(scaling, counts)
     gd, ud, dd = _split(_per_adapter_masks(dropout, dropout_mask), counts)
-    gate, gate_mid = _with_adapters(F.linear(x, w_gate), x, ga, gb, gs, gd)
-    up, up_mid = _with_adapters(F.linear(x, w_up), x, ua, ub, us, ud)
+    gate_split, up_split = _split_products(x, (ga, gd), (ua, ud))  # one GEMM over x for both
+    gate, gate_mid = _with_adapters(F.linear(x, w_gate), x, ga, gb, gs, gd, gate_split)
+    up, up_mid = _with_adapters(F.linear(x, w_up), x, ua, ub, us, ud, up_split)
     h = _gelu_tanh_mul(gate, up)
     out, down_mid = _with_adapters(F.linear(h, w_down), h, da, db, ds, dd)
     return out, gate, up, gate_mid + up_mid + down_mid
@@ -398,19 +436,27 @@ def _low_rank_grads(grad_y, lora_a, lora_b, scaling, drops, mids, mask_b, acc):
     return grad_z, folds, us, grad_b
 
 
-def _a_grads(us, z, lora_a, drops, mask_a):
-    """dA_a = u_a^T @ dropout_a(z_a), with z_a cast as the forward cast it and the forward's dropout mask."""
-    grads = []
-    source, split = z, _splits(z, lora_a)
-    for u, a, drop, want in zip(us, lora_a, drops, mask_a):
-        z = z.to(a.dtype)
-        if not want:
-            grads.append(a.new_empty(0))
-        elif split and drop[1] is None:
-            grads.append(_split_mm(_rows(u).t(), _rows(source)))
-        else:
-            grads.append(_rows(u).t() @ _rows(_dropped(z, drop)))
-    return grads
+def _a_grads(z, *projections):
+    """dA_a = u_a^T @ dropout_a(z_a), with z_a cast as the forward cast it and the forward's dropout mask, for
+    projections that read the same z: (us, lora_a, drops, mask_a) each; one list of dA per projection. The split
+    products (`_splits`, no dropout) of all of them are one `_split_mm`, which reads z once."""
+    wanted = [(k, i) for k, (us, lora_a, drops, mask_a) in enumerate(projections) if _splits(z, lora_a)
+              for i, (drop, want) in enumerate(zip(drops, mask_a)) if want and drop[1] is None]  # fmt: skip
+    split_grads = dict(zip(wanted, _split_mm([_rows(projections[k][0][i]).t() for k, i in wanted], _rows(z))
+                           if wanted else []))  # fmt: skip
+    out = []
+    for k, (us, lora_a, drops, mask_a) in enumerate(projections):
+        grads, zk = [], z
+        for i, (u, a, drop, want) in enumerate(zip(us, lora_a, drops, mask_a)):
+            zk = zk.to(a.dtype)  # peft's cast, cumulative like its forward loop
+            if not want:
+                grads.append(a.new_empty(0))
+            elif (k, i) in split_grads:
+                grads.append(split_grads[k, i])
+            else:
+                grads.append(_rows(u).t() @ _rows(_dropped(zk, drop)))
+        out.append(grads)
+    return out
 
 
 def _rows(t):
@@ -434,11 +480,11 @@ def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lo
     if lora_h is not None:
         grad_h = grad_h.to(acc) + lora_h
     grad_gate, grad_up, h = reference.gelu_tanh_mul_backward(grad_h, gate, up)
-    grad_da = _a_grads(down_us, h, da, dd, dma)
+    (grad_da,) = _a_grads(h, (down_us, da, dd, dma))
 
     lora_gx, gate_folds, gate_us, grad_gb = _low_rank_grads(grad_gate, ga, gb, gs, gd, gm, gmb, acc)
     lora_ux, up_folds, up_us, grad_ub = _low_rank_grads(grad_up, ua, ub, us, ud, um, umb, acc)
-    grad_ga, grad_ua = _a_grads(gate_us, x, ga, gd, gma), _a_grads(up_us, x, ua, ud, uma)
+    grad_ga, grad_ua = _a_grads(x, (gate_us, ga, gd, gma), (up_us, ua, ud, uma))  # one GEMM over x for both
     if output_mask[0]:
         grad_x = _plus_low_rank(F.linear(grad_gate, w_gate.t()), gate_folds + up_folds).to(acc)
         grad_x = grad_x + F.linear(grad_up, w_up.t()).to(acc)
@@ -688,7 +734,7 @@ def lora_linear_backward_math(grad_out, x, weight, lora_a, lora_b, scaling, drop
     acc = reference.accumulation_dtype(x.dtype)
     lora_x, folds, us, grad_b = _low_rank_grads(grad_out, lora_a, lora_b, scaling, drops, lora_mid, lora_mask[n:],
                                                 acc)  # fmt: skip
-    grad_a = _a_grads(us, x, lora_a, drops, lora_mask[:n])
+    (grad_a,) = _a_grads(x, (us, lora_a, drops, lora_mask[:n]))
     if output_mask[0]:
         grad_x = _plus_low_rank(F.linear(grad_out, weight.t()), folds)
         if lora_x is not None:

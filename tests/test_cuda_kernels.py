@@ -128,6 +128,9 @@ def test_rms_norm_qk_views(dtype, head_dim, transpose):
     dx, dw = torch.ops.g4ops.rms_norm_backward(dy, x, w, EPS, True)
     dx_c, dw_c = torch.ops.g4ops.rms_norm_backward(dy, x.contiguous(), w, EPS, True)
     assert torch.equal(dx, dx_c) and torch.equal(dw, dw_c)
+    # a frozen weight takes the kernel without the weight-gradient pass: same dx
+    dx_frozen, dw_none = torch.ops.g4ops.rms_norm_backward(dy, x, w, EPS, False)
+    assert dw_none.numel() == 0 and torch.equal(dx_frozen, dx)
 
 
 def test_rms_norm_wide_rows_fallback():
