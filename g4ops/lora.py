@@ -302,6 +302,7 @@ def _sum_of_parts(parts, dim, size, start):
 
 
 def _offsets(sizes):
+    """Where each block starts when blocks of these sizes lie end to end."""
     out, at = [], 0
     for n in sizes:
         out.append(at)

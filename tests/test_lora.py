@@ -243,6 +243,31 @@ def test_split_mm_is_an_fp32_gemm_against_fp64(device, fp32_side, run):
 
 
 @pytest.mark.parametrize("run", ["eager", "inductor"])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp32_side", ["left", "right"])
+def test_split_mm_of_a_list_is_each_product(device, fp32_side, run):
+    """A list of fp32 operands against one bf16 operand (gate's and up's adapters against x) is one GEMM whose
+    products come back in order, each within an fp32 GEMM's error of fp64, with odd sizes that differ per entry."""
+    gen = torch.Generator().manual_seed(6)
+    k = 301
+    shared = O.make_tensor((37, k) if fp32_side == "right" else (k, 37), BF16, gen, device=device)
+    sizes = (3, 11, 5)
+    if fp32_side == "left":
+        fp32 = [O.make_tensor((m, k), F32, gen, device=device) for m in sizes]
+        outs = _through(run, lora._split_mm)(fp32, shared)
+        pairs = [(t, shared) for t in fp32]
+    else:
+        fp32 = [O.make_tensor((k, n), F32, gen, device=device) for n in sizes]
+        outs = _through(run, lora._split_mm)(shared, fp32)
+        pairs = [(shared, t) for t in fp32]
+    assert isinstance(outs, list) and len(outs) == len(sizes)
+    for out, (a, b) in zip(outs, pairs):
+        assert out.dtype == F32 and out.shape == (a.shape[0], b.shape[1])
+        truth = a.double() @ b.double()
+        assert O.rel_err(out, truth) <= 3 * O.rel_err(a.float() @ b.float(), truth)
+
+
+@pytest.mark.parametrize("run", ["eager", "inductor"])
 def test_split_pairs_hold_the_exact_product(run):
     """The nine bf16 part products sum (in fp64, where each is exact) to the fp32 product itself."""
     gen = torch.Generator().manual_seed(5)
