@@ -287,27 +287,18 @@ def _split_mm(a, b):
 
 
 def _split_mm_shared(a, b):
-    """`_split_mm` with its fp32 side a list."""
-    if isinstance(a, (list, tuple)):
-        parts = _mm_to_fp32(torch.cat([p for t in a for p in _bf16_parts(t)], 0), b)
-        return [_sum_of_parts(parts, 0, t.shape[0], i) for t, i in zip(a, _offsets([3 * t.shape[0] for t in a]))]
-    parts = _mm_to_fp32(a, torch.cat([p for t in b for p in _bf16_parts(t)], 1))
-    return [_sum_of_parts(parts, 1, t.shape[1], i) for t, i in zip(b, _offsets([3 * t.shape[1] for t in b]))]
-
-
-def _sum_of_parts(parts, dim, size, start):
-    """hi + mid + lo products of one fp32 operand, its three slices of `size` from `start` along `dim`."""
-    hi, mid, lo = (parts.narrow(dim, start + k * size, size) for k in range(3))
-    return hi + mid + lo
-
-
-def _offsets(sizes):
-    """Where each block starts when blocks of these sizes lie end to end."""
-    out, at = [], 0
-    for n in sizes:
-        out.append(at)
-        at += n
-    return out
+    """`_split_mm` with its fp32 side (a or b) a list: one GEMM, then each operand's hi + mid + lo products."""
+    dim = 0 if isinstance(a, (list, tuple)) else 1  # where the parts lie side by side
+    fp32 = a if dim == 0 else b
+    stacked = torch.cat([p for t in fp32 for p in _bf16_parts(t)], dim)
+    parts = _mm_to_fp32(stacked, b) if dim == 0 else _mm_to_fp32(a, stacked)
+    products, at = [], 0
+    for t in fp32:
+        n = t.shape[dim]
+        hi, mid, lo = (parts.narrow(dim, at + k * n, n) for k in range(3))
+        products.append(hi + mid + lo)
+        at += 3 * n
+    return products
 
 
 def _split_pairs(left, right):
