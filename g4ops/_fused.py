@@ -8,11 +8,20 @@ import warnings
 
 import torch
 
+# Dynamo compiles a function once per input signature it cannot generalise (list lengths, constant flags, dtypes), up
+# to `torch._dynamo.config.recompile_limit` (8) signatures; with fullgraph=True a new one past that raises this.
+_RECOMPILE_LIMIT_ERRORS = tuple(
+    e for e in (getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None),) if isinstance(e, type)
+)
+_past_limit_warned: set = set()
+
 
 def run_compiled(fn, args: tuple, setting: str | None, compiled: dict, failed: list, what: str):
     """`fn(*args)` compiled (dynamic shapes, one cache entry per fn in `compiled`) when `setting` (the op's
     environment switch) is "1", or unset and args[0] is on CUDA; eagerly when it is "0" or a compilation failed
-    before (`failed` holds why; the first failure warns, naming `what`)."""
+    before (`failed` holds why; the first failure warns, naming `what` and fn). A call whose input signature is one
+    past Dynamo's recompile limit runs eagerly alone: the signatures compiled so far stay compiled (the first such
+    call warns)."""
     wanted = setting == "1" or (setting is None and args[0].device.type == "cuda")
     if not wanted or failed:
         return fn(*args)
@@ -29,7 +38,15 @@ def run_compiled(fn, args: tuple, setting: str | None, compiled: dict, failed: l
     except Exception as exc:  # noqa: BLE001 - slower but correct beats failing the training step
         if isinstance(exc, torch.OutOfMemoryError):
             raise
+        where = f"{what} ({fn.__name__})"
+        if isinstance(exc, _RECOMPILE_LIMIT_ERRORS):
+            if where not in _past_limit_warned:
+                _past_limit_warned.add(where)
+                warnings.warn(f"{where}: a new input signature past torch._dynamo.config.recompile_limit "
+                              f"({torch._dynamo.config.recompile_limit}) runs eagerly (slower, same results); the "
+                              "signatures compiled before stay compiled", stacklevel=3)  # fmt: skip
+            return fn(*args)
         failed.append(repr(exc))
-        warnings.warn(f"{what} failed ({exc!r}); running it eagerly from now on (slower, same results)",
+        warnings.warn(f"{where} failed ({exc!r}); running it eagerly from now on (slower, same results)",
                       stacklevel=3)  # fmt: skip
         return fn(*args)

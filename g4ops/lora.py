@@ -494,7 +494,7 @@ def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lo
 
 
 # G4OPS_LORA_COMPILE=0 keeps the CUDA kernels eager, =1 compiles on every device (a CPU test uses that); a failed
-# compilation warns once and runs eagerly from then on.
+# compilation warns once and runs eagerly from then on, a signature past Dynamo's recompile limit alone (_fused.py).
 _LORA_COMPILE = os.environ.get("G4OPS_LORA_COMPILE")
 # whether an outer torch.compile traces the math instead of calling the op (module docstring: tested torch only)
 TRACE_UNDER_COMPILE = {"1": True, "0": False}.get(os.environ.get("G4OPS_LORA_TRACE", ""), torch_version() >= (2, 13))
@@ -504,7 +504,7 @@ _compile_failed: list = []
 
 def _fused(fn, *args):
     return run_compiled(fn, args, _LORA_COMPILE, _compiled, _compile_failed,
-                        "g4ops.lora_geglu_mlp: torch.compile of its math")  # fmt: skip
+                        "g4ops.lora: torch.compile of a LoRA op's math")  # fmt: skip
 
 
 def _contiguous(result):

@@ -344,3 +344,48 @@ def test_compiled_fullgraph_has_no_graph_breaks_and_matches_eager(device):
     params = dict(model.named_parameters())
     for name, g in eager[2].items():
         assert O.rel_err(params[name].grad, g) <= _tol(k), name
+
+
+def test_past_the_recompile_limit_only_new_signatures_run_eagerly(monkeypatch):
+    """The op's inner torch.compile specialises on the adapter count. Past Dynamo's recompile limit, a call with a
+    new count runs its math eagerly (one warning naming the limit), while the counts compiled before stay compiled.
+    (It used to mark the compilation failed, and every later call of every LoRA op then ran eagerly.)"""
+    import warnings
+
+    from g4ops import _fused
+
+    monkeypatch.setattr(lora, "_LORA_COMPILE", "1")
+    monkeypatch.setattr(lora, "_compiled", {})
+    monkeypatch.setattr(lora, "_compile_failed", [])
+    monkeypatch.setattr(_fused, "_past_limit_warned", set())
+    eager_counts = []
+    math = lora.lora_linear_forward_math
+
+    def counted(x, weight, lora_a, *rest):  # runs as Python only when eager (compiled calls run Inductor's code)
+        if not torch.compiler.is_compiling():
+            eager_counts.append(len(lora_a))
+        return math(x, weight, lora_a, *rest)
+
+    monkeypatch.setattr(lora, "lora_linear_forward_math", counted)
+    gen = torch.Generator().manual_seed(11)
+    x, weight = torch.randn(5, 7, generator=gen), torch.randn(6, 7, generator=gen)
+
+    def call(n):
+        adapters = [(torch.randn(3, 7, generator=gen), torch.randn(6, 3, generator=gen), 0.5) for _ in range(n)]
+        with torch.no_grad():
+            got = g4ops.lora.lora_linear(x, weight, adapters)
+        want = x @ weight.t() + sum(0.5 * (x @ a.t()) @ b.t() for a, b, _ in adapters)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for n in (1, 2, 3, 1, 2, 4):
+                call(n)
+    finally:
+        torch._dynamo.reset()
+    assert eager_counts == [3, 4], eager_counts
+    assert not lora._compile_failed, lora._compile_failed
+    limit = [str(w.message) for w in caught if "recompile_limit" in str(w.message)]
+    assert len(limit) == 1 and "counted" in limit[0], [str(w.message) for w in caught]
