@@ -6,6 +6,7 @@
 #   STAGES="e2e" E2E_ARGS="--parts decode --layers 42 --batches 1 --decode-variants stock,g4ops" bash bench/gpu_round.sh
 #   STAGES="build sampling serve" bash bench/gpu_round.sh   # issue 16's and 17's benchmarks (each under 10 min)
 #   STAGES="build flex" FLEX_ARGS="--kinds full" bash bench/gpu_round.sh   # flex kernel options vs g4ops attention
+#   STAGES="env lorafused" bash bench/gpu_round.sh   # the fused LoRA u/dB prototype vs today's split pair (no build)
 # Wheels in .whl/ (ignored: carry it) or .wheels/ are installed into /tmp/site first: the GPU image lacks
 # Liger-Kernel and the serve stack (FastAPI, Starlette, uvicorn, pydantic, openai).
 # The kernel build takes 70-90 s on each fresh machine. SAVE_BUILD=1 copies the built library to $OUT, gzipped (the
@@ -87,6 +88,9 @@ has test && stage tests "$TEST_TIMEOUT" $PY -m pytest -m cuda -rf -p no:cachepro
 has bench && stage bench "$BENCH_TIMEOUT" $PY bench/kernel_bench.py --json "$OUT/kernels.json" ${BENCH_ARGS:-}
 # shellcheck disable=SC2086
 has e2e && stage e2e "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-}
+# shellcheck disable=SC2086
+has lorafused && stage lorafused "${LORAFUSED_TIMEOUT:-540}" $PY bench/lora_grad_fused.py --json "$OUT/lora-grad-fused.json" \
+  ${LORAFUSED_ARGS:-}
 # shellcheck disable=SC2086
 has flex && stage flex "${FLEX_TIMEOUT:-540}" $PY bench/flex_options.py --json "$OUT/flex.json" ${FLEX_ARGS:-}
 # shellcheck disable=SC2086
