@@ -9,10 +9,9 @@ import warnings
 import torch
 
 # Dynamo compiles a function once per input signature it cannot generalise (list lengths, constant flags, dtypes), up
-# to `torch._dynamo.config.recompile_limit` (8) signatures; with fullgraph=True a new one past that raises this.
-_RECOMPILE_LIMIT_ERRORS = tuple(
-    e for e in (getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None),) if isinstance(e, type)
-)
+# to `torch._dynamo.config.recompile_limit` (8) signatures; with fullgraph=True a new one past that raises this (an
+# empty tuple, matching nothing, on a torch without it).
+_RECOMPILE_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 _past_limit_warned: set = set()
 
 
@@ -39,12 +38,13 @@ def run_compiled(fn, args: tuple, setting: str | None, compiled: dict, failed: l
         if isinstance(exc, torch.OutOfMemoryError):
             raise
         where = f"{what} ({fn.__name__})"
-        if isinstance(exc, _RECOMPILE_LIMIT_ERRORS):
+        if isinstance(exc, _RECOMPILE_LIMIT_HIT):
             if where not in _past_limit_warned:
                 _past_limit_warned.add(where)
-                warnings.warn(f"{where}: a new input signature past torch._dynamo.config.recompile_limit "
-                              f"({torch._dynamo.config.recompile_limit}) runs eagerly (slower, same results); the "
-                              "signatures compiled before stay compiled", stacklevel=3)  # fmt: skip
+                limit = getattr(torch._dynamo.config, "recompile_limit", "?")
+                warnings.warn(f"{where}: a new input signature past torch._dynamo.config.recompile_limit ({limit}) "
+                              "runs eagerly (slower, same results); the signatures compiled before stay compiled",
+                              stacklevel=3)  # fmt: skip
             return fn(*args)
         failed.append(repr(exc))
         warnings.warn(f"{where} failed ({exc!r}); running it eagerly from now on (slower, same results)",
