@@ -720,6 +720,12 @@ def g4ops_attention_forward(
             out = torch.where(rows.transpose(1, 2)[..., None], out, 0)
         return out, weights
 
+    if torch.is_autocast_enabled(query.device.type):
+        # Under autocast (Trainer's bf16=True) RoPE leaves q and k in fp32 beside a bf16 v. SDPA is on autocast's
+        # lower-precision list, so stock runs all three in the autocast dtype: cast them so here, for every path below
+        # (g4ops.attention needs one dtype; it raised a TypeError on unmasked calls before).
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(dtype) if t.dtype != torch.float64 else t for t in (query, key, value))
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     position_ids = kwargs.get("position_ids") if causal else None
@@ -732,7 +738,7 @@ def g4ops_attention_forward(
     # usable and turned on (MASKED_SLIDING_VIA_FLEX), where SDPA computes every pair of the dense mask. Only for
     # causal-only masks: transformers' masks narrow the causal (sliding) pattern unless a config asks for
     # bidirectional (vision) blocks, which neither would compute (they see no key past a query).
-    # Mixed dtypes (autocast: bf16 value beside fp32 query) stay on stock SDPA, which autocast casts.
+    # Mixed dtypes (not from autocast, cast above) stay on stock SDPA.
     training_masked = (plain and causal and q_len == kv_len and query.dtype == key.dtype == value.dtype
                        and getattr(getattr(module, "config", None), "use_bidirectional_attention", None) is None)  # fmt: skip
 

@@ -68,8 +68,14 @@ Not implemented, so peft's own forward runs and `geglu_mlp` below says why once 
 LoRA variants (DoRA, aLoRA, ... anything in peft's `lora_variant`), `lora_bias`, a dropout module other than a
 plain nn.Dropout, a base layer that is not a plain bias-free
 nn.Linear (quantized bases use other peft classes), `fan_in_fan_out`, hooks on the peft layer (peft's mixed-batch
-`adapter_names` inference is such a hook), adapters merged but disabled (peft unmerges them inside its forward),
-and torch.autocast.
+`adapter_names` inference is such a hook), and adapters merged but disabled (peft unmerges them inside its forward).
+
+Under torch.autocast (HF Trainer's and TRL's bf16=True: accelerate wraps the model's forward in it), peft's layers
+run every product in the autocast dtype: each of their F.linear calls casts x, the base weight and the adapter's
+weight to it, so the base output, A(z), B(A(z)), the scaled term and the sum are all in that dtype. `_autocast_call`
+makes the same casts before the op (differentiable, so the gradients go back to each tensor's own dtype, as
+autocast's casts send them) and runs the op with autocast off: the op's formula with adapters in the autocast dtype.
+The dropout masks are drawn before, in the adapters' own dtype, as peft's dropout sees x cast to it.
 
 This module knows peft's LoRA layer; integration.py decides which MLP calls come here.
 """
@@ -950,14 +956,12 @@ def _explain(reason: str, what: str = "a Gemma4TextMLP keeps peft's forward (not
         logger.info("g4ops: %s: %s", what, reason)
 
 
-def _plan(mlp: nn.Module, x_dtype, device_type: str, is_plain_linear):
+def _plan(mlp: nn.Module, x_dtype, is_plain_linear):
     """None: no peft layer here (integration's own test decides); a str: why the fused path does not reproduce it;
     else (the three base weights, the three projections' adapter lists)."""
     projections = [getattr(mlp, name, None) for name in _PROJECTIONS]
     if not any(is_peft_lora_layer(p) for p in projections):
         return None
-    if torch.is_autocast_enabled(device_type):
-        return "torch.autocast is on (the fused LoRA path has no autocast rule)"
     weights, groups = [], []
     for name, proj in zip(_PROJECTIONS, projections):
         if is_plain_linear(proj):
@@ -978,7 +982,7 @@ def geglu_mlp(mlp: nn.Module, x: torch.Tensor, is_plain_linear):
     """The MLP's output through g4ops when at least one projection is a peft LoRA layer and each is either a plain
     linear (`is_plain_linear`, integration's test) or a peft lora.Linear this module reproduces; None otherwise (the
     caller runs the stock forward). A LoRA layer it does not reproduce is logged once with the reason."""
-    plan = _plan(mlp, x.dtype, x.device.type, is_plain_linear)
+    plan = _plan(mlp, x.dtype, is_plain_linear)
     if plan is None:
         return None
     if isinstance(plan, str):
@@ -991,7 +995,22 @@ def geglu_mlp(mlp: nn.Module, x: torch.Tensor, is_plain_linear):
     # dtype and the shape of its input, by ATen's dropout (the same generator calls: the same masks).
     inter = weights[0].shape[0]
     shapes = (x.shape, x.shape, (*x.shape[:-1], inter))
-    return lora_geglu_mlp(x, *weights, *(_with_masks(group, shape, x.device) for group, shape in zip(groups, shapes)))
+    groups = [_with_masks(group, shape, x.device) for group, shape in zip(groups, shapes)]
+    return _autocast_call(lora_geglu_mlp, x, weights, groups)
+
+
+def _autocast_call(op, x, weights, groups):
+    """`op(x, *weights, *groups)` (groups: adapter lists as `_with_masks` gives them); under torch.autocast, with x,
+    the weights and the adapters' A and B cast to the autocast dtype first and autocast off inside (module docstring).
+    What autocast casts: floating tensors other than float64."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return op(x, *weights, *groups)
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t  # noqa: E731
+    groups = [[(cast(a), cast(b), *rest) for a, b, *rest in group] for group in groups]
+    with torch.autocast(device_type, enabled=False):
+        return op(cast(x), *map(cast, weights), *groups)
 
 
 LINEAR_FORWARD_MARK = "_g4ops_lora_linear"  # on the forward `make_linear_forward` builds
@@ -1006,16 +1025,15 @@ def make_linear_forward(peft_forward, is_plain_linear, is_plain_tensor):
     def forward(self, x, *args, **kwargs):
         if args or kwargs or not is_plain_tensor(x):  # peft's extra arguments (adapter_names, ...)
             return peft_forward(self, x, *args, **kwargs)
-        terms = ("torch.autocast is on (the fused LoRA path has no autocast rule)"
-                 if torch.is_autocast_enabled(x.device.type)
-                 else projection_terms(self, is_plain_linear, x.dtype, from_our_forward=True))  # fmt: skip
+        terms = projection_terms(self, is_plain_linear, x.dtype, from_our_forward=True)
         if isinstance(terms, str):
             _explain(terms, "a Gemma-4 attention projection keeps peft's forward (not g4ops.lora_linear)")
             return peft_forward(self, x)
         weight, adapters = terms
         if not adapters:
             return peft_forward(self, x)
-        return lora_linear(x, weight, _with_masks(adapters, x.shape, x.device))  # masks as peft draws them
+        adapters = _with_masks(adapters, x.shape, x.device)  # masks as peft draws them
+        return _autocast_call(lora_linear, x, [weight], [adapters])
 
     setattr(forward, LINEAR_FORWARD_MARK, True)
     return forward
@@ -1059,5 +1077,5 @@ def fallback_reason(mlp: nn.Module) -> str | None:
     from .integration import _is_plain_linear  # integration imports this module
 
     weight = mlp.gate_proj.get_base_layer().weight if is_peft_lora_layer(mlp.gate_proj) else mlp.gate_proj.weight
-    plan = _plan(mlp, weight.dtype, weight.device.type, _is_plain_linear)
+    plan = _plan(mlp, weight.dtype, _is_plain_linear)
     return plan if isinstance(plan, str) else None

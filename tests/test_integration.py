@@ -329,10 +329,13 @@ def test_first_enable_leaves_a_seeded_rng_alone(monkeypatch):
     assert torch.equal(torch.rand(5), expected)
 
 
-def test_decoder_layer_under_bf16_autocast_trains_like_stock():
+@pytest.mark.parametrize("attention", [False, True], ids=["stock-attention", "g4ops-attention"])
+def test_decoder_layer_under_bf16_autocast_trains_like_stock(attention):
     """Under autocast (Trainer's and TRL's bf16=True over fp32 weights) the attention output is bf16 and the residual
     fp32: the layer adds them as stock does (promoting to fp32) instead of handing sandwich_norm mixed dtypes. The
-    loss and every gradient stay within stock's own autocast error of the fp32 (no autocast) run, or close to it."""
+    loss and every gradient stay within stock's own autocast error of the fp32 (no autocast) run, or close to it.
+    With g4ops attention: RoPE leaves q and k in fp32 beside a bf16 v, which g4ops.attention refused (a TypeError on
+    every unpadded call); it now casts them as autocast casts stock's SDPA inputs."""
     model = build_model("tiny-e4b").train()
     ids = _tokens(model.config.vocab_size)
 
@@ -345,7 +348,7 @@ def test_decoder_layer_under_bf16_autocast_trains_like_stock():
 
     exact_loss, exact_grads = loss_and_grads(autocast=False)
     stock_loss, stock_grads = loss_and_grads(autocast=True)
-    with g4ops.enable():
+    with g4ops.enable(model, attention=attention):
         loss, grads = loss_and_grads(autocast=True)
     assert torch.isfinite(loss)
     assert abs(loss - exact_loss) <= 2 * abs(stock_loss - exact_loss) + 1e-3 * abs(exact_loss)

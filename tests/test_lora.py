@@ -81,14 +81,16 @@ def _inputs(device, dtype, seed=1):
     return x, grad_out
 
 
-def _run(model, x, grad_out, enabled: bool):
-    """(output, x's gradient, {trainable parameter: gradient}, g4ops op calls), with g4ops enabled or not."""
+def _run(model, x, grad_out, enabled: bool, autocast=None):
+    """(output, x's gradient, {trainable parameter: gradient}, g4ops op calls), with g4ops enabled or not; `autocast`:
+    a dtype to run the forward under torch.autocast with (the backward outside it, as a training step runs it)."""
     model.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
     counter = G4opsCalls()  # only around g4ops (stock under a Python dispatch mode is slow)
     with g4ops.enable() if enabled else _nothing(), counter if enabled else _nothing():
-        out = model(x)
-        out.backward(grad_out)
+        with torch.autocast(x.device.type, dtype=autocast or BF16, enabled=autocast is not None):
+            out = model(x)
+        out.backward(grad_out.to(out.dtype))
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
     assert not frozen, f"frozen parameters got gradients: {frozen}"
@@ -193,6 +195,32 @@ def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monke
     pairs = [("out", ours[0], stock[0], truth[0], INTER), ("grad_x", ours[1], stock[1], truth[1], INTER)]
     pairs += [(name, ours[2][name], stock[2][name], truth[2][name], n) for name in truth[2]]
     for name, g4, st, ref, k in pairs:
+        O.assert_no_worse_than_stock(name, O.rel_err(g4, ref), O.rel_err(st, ref),
+                                     O.floor(BF16, k, ref.numel()))  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model_dtype", [F32, BF16], ids=["fp32-weights", "bf16-weights"])
+def test_autocast_takes_the_fused_path_no_worse_than_peft(device, model_dtype):
+    """Under torch.autocast (HF Trainer's and TRL's bf16=True, over fp32 weights as TRL loads them or over bf16 ones)
+    peft's layers run every product in bf16; the fused path casts as autocast does and is taken (it used to keep
+    peft's forward there). Output and gradients have stock's dtypes, and each is no worse than stock's against fp64
+    (the same model in fp64, without autocast)."""
+    model = _mlp_model(device, model_dtype).train()
+    exact = copy.deepcopy(model).double()
+    x, grad_out = _inputs(device, model_dtype)
+    truth = _run(exact, x.double(), grad_out.double(), enabled=False)
+    stock = _run(model, x, grad_out, enabled=False, autocast=BF16)
+    ours = _run(model, x, grad_out, enabled=True, autocast=BF16)
+    assert all(ours[3].get(op) == 1 for op in FUSED_TRAIN), ours[3]
+    with g4ops.enable(), torch.autocast(device, dtype=BF16):
+        assert lora.fallback_reason(model.base_model.model.mlp) is None
+    assert (ours[0].dtype, ours[1].dtype) == (stock[0].dtype, stock[1].dtype) == (BF16, model_dtype)
+    n = TOKENS[0] * TOKENS[1]
+    pairs = [("out", ours[0], stock[0], truth[0], INTER), ("grad_x", ours[1], stock[1], truth[1], INTER)]
+    pairs += [(name, ours[2][name], stock[2][name], truth[2][name], n) for name in truth[2]]
+    for name, g4, st, ref, k in pairs:
+        assert g4.dtype == st.dtype, name
         O.assert_no_worse_than_stock(name, O.rel_err(g4, ref), O.rel_err(st, ref),
                                      O.floor(BF16, k, ref.numel()))  # fmt: skip
 

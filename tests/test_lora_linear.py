@@ -73,15 +73,17 @@ def _inputs(device, dtype, model, seed=1):
     return x, O.make_tensor((*TOKENS, HIDDEN), dtype, gen, device=device)
 
 
-def _run(model, x, grad_out, enabled: bool, seed=7):
-    """(output, x's gradient, {trainable parameter: gradient}, g4ops op calls); the same dropout draws either way."""
+def _run(model, x, grad_out, enabled: bool, seed=7, autocast=None):
+    """(output, x's gradient, {trainable parameter: gradient}, g4ops op calls); the same dropout draws either way.
+    `autocast`: a dtype to run the forward under torch.autocast with (the backward outside it)."""
     model.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
     counter = G4opsCalls()
     torch.manual_seed(seed)
     with g4ops.enable(model) if enabled else contextlib.nullcontext(), counter:
-        out = model(x)
-        out.backward(grad_out)
+        with torch.autocast(x.device.type, dtype=autocast or BF16, enabled=autocast is not None):
+            out = model(x)
+        out.backward(grad_out.to(out.dtype))
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert not [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
     return out.detach(), x.grad, grads, counter.calls
@@ -165,6 +167,34 @@ def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monke
     pairs += [(name, ours[2][name], stock[2][name], truth[2][name], k) for name in truth[2]]
     for name, g4, st, ref, n in pairs:
         O.assert_no_worse_than_stock(name, O.rel_err(g4, ref), O.rel_err(st, ref), O.floor(BF16, n, ref.numel()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model_dtype", [F32, BF16], ids=["fp32-weights", "bf16-weights"])
+def test_autocast_takes_the_op_no_worse_than_peft(device, model_dtype):
+    """Under torch.autocast (Trainer's and TRL's bf16=True) the projections run g4ops.lora_linear with autocast's
+    casts (they used to keep peft's forward), with dropout drawn as peft draws it: stock's dtypes, and no worse than
+    stock against fp64 (the fp64 model without autocast, dropout off for that comparison)."""
+    model = _model(device, model_dtype).train()
+    exact = copy.deepcopy(model).double()
+    x, grad_out = _inputs(device, model_dtype, model)
+    truth = _run(exact, x.double(), grad_out.double(), enabled=False)
+    stock = _run(model, x, grad_out, False, autocast=BF16)
+    ours = _run(model, x, grad_out, True, autocast=BF16)
+    assert all(ours[3].get(op) == 2 for op in TRAIN), ours[3]
+    assert (ours[0].dtype, ours[1].dtype) == (stock[0].dtype, stock[1].dtype) == (BF16, model_dtype)
+    k = TOKENS[0] * TOKENS[1]
+    pairs = [("out", ours[0], stock[0], truth[0], HIDDEN), ("grad_x", ours[1], stock[1], truth[1], HIDDEN)]
+    pairs += [(name, ours[2][name], stock[2][name], truth[2][name], k) for name in truth[2]]
+    for name, g4, st, ref, n in pairs:
+        assert g4.dtype == st.dtype, name
+        O.assert_no_worse_than_stock(name, O.rel_err(g4, ref), O.rel_err(st, ref), O.floor(BF16, n, ref.numel()))
+    dropped = _model(device, model_dtype, lora_dropout=0.3).train()  # masks: peft's draws, in the adapters' fp32
+    stock = _run(dropped, x, grad_out, False, autocast=BF16)
+    ours = _run(dropped, x, grad_out, True, autocast=BF16)
+    for name, g4, st in [("out", ours[0], stock[0]), ("grad_x", ours[1], stock[1])] + [
+            (name, ours[2][name], stock[2][name]) for name in stock[2]]:  # fmt: skip
+        assert O.rel_err(g4, st) <= 4 * O.TOLERANCE[BF16].u, name  # other masks: about 0.8
 
 
 # ----------------------------------------------------------------------------------------------------------------

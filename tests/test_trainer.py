@@ -26,8 +26,10 @@ from g4ops.models import build_model, tiny_tokenizer
 
 try:
     from . import oracle as O
+    from .devices import G4opsCalls
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import oracle as O
+    from devices import G4opsCalls
 
 datasets = pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
@@ -207,6 +209,26 @@ def test_trl_sft_with_its_default_bf16_autocast(tmp_path):
     make = _sft(tmp_path, packing=True, bf16=True, max_steps=2)
     _, stock_curve = _run(make, with_g4ops=False)
     _, curve = _run(make, with_g4ops=True)
+    assert len(curve) == len(stock_curve) == 2 and all(torch.isfinite(torch.tensor(curve)))
+    bf16 = O.TOLERANCE[torch.bfloat16].u
+    assert all(abs(a - b) <= 8 * bf16 * abs(a) for a, b in zip(stock_curve, curve)), (stock_curve, curve)
+
+
+def test_trl_sft_lora_under_its_default_bf16_autocast(tmp_path):
+    """TRL's default bf16=True with a LoRA adapter on every projection, padded batches: accelerate runs the forward
+    under autocast, where the MLP's and the attention projections' adapters run g4ops' LoRA ops (they kept peft's
+    forward there before: no LoRA op ran); the curve is stock's to bf16 rounding (8 units of it on the loss)."""
+    pytest.importorskip("trl")
+    from peft import LoraConfig
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                             "gate_proj", "up_proj", "down_proj"])  # fmt: skip
+    make = _sft(tmp_path, packing=False, peft_config=config, bf16=True, max_steps=2, gradient_checkpointing=False)
+    _, stock_curve = _run(make, with_g4ops=False)
+    with G4opsCalls() as counter:
+        _, curve = _run(make, with_g4ops=True)
+    for op in ("lora_geglu_mlp_forward", "lora_geglu_mlp_backward", "lora_linear_forward", "lora_linear_backward"):
+        assert counter.calls.get(f"g4ops.{op}.default", 0) > 0, (op, sorted(counter.calls.items()))
     assert len(curve) == len(stock_curve) == 2 and all(torch.isfinite(torch.tensor(curve)))
     bf16 = O.TOLERANCE[torch.bfloat16].u
     assert all(abs(a - b) <= 8 * bf16 * abs(a) for a, b in zip(stock_curve, curve)), (stock_curve, curve)
