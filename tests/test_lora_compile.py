@@ -132,6 +132,28 @@ def test_compiled_dropout_and_two_adapters_draw_peft_masks(device, fresh_dynamo)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_compiled_mlp_under_autocast_traces_the_math_like_eager(device, fresh_dynamo):
+    """Under torch.autocast (Trainer's bf16=True) the compiled MLP holds the LoRA math with autocast's casts, no graph
+    break, and gives eager g4ops' bf16 results (aot_eager: the same ATen kernels)."""
+    model = _mlp_model(device).train()
+    x, grad_out = _inputs(device, F32)
+    eager = _run(model, x, grad_out, enabled=True, autocast=BF16)
+    recorder = _Recorder()
+    compiled = torch.compile(model, backend=recorder, fullgraph=True)
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    with g4ops.enable():
+        with torch.autocast(device, dtype=BF16):
+            out = compiled(x)
+        out.backward(grad_out.to(out.dtype))
+    recorder.assert_traced_math()
+    assert out.dtype == eager[0].dtype == BF16 and x.grad.dtype == F32
+    assert torch.equal(out.detach(), eager[0]) and O.rel_err(x.grad, eager[1]) <= O.TOLERANCE[BF16].u
+    for name, g in eager[2].items():
+        assert O.rel_err(dict(model.named_parameters())[name].grad, g) <= O.TOLERANCE[BF16].u, name
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_compiled_merged_and_disabled_adapters_run_the_base_weights(device, fresh_dynamo):
     """No low-rank term left: the plain geglu_mlp op on the base weights, as in eager mode; no LoRA math traced."""
     model = _mlp_model(device).eval()
