@@ -42,6 +42,8 @@ Parts (`--parts`, comma-separated; default all):
           `--compile-mode reduce-overhead`: the *-compile variants replay each step from CUDA graphs (Inductor's
           graph trees; the step marks its start with torch.compiler.cudagraph_mark_step_begin); rows record
           `cudagraph_skips`, the graphs Inductor left uncaptured (TORCH_LOGS=perf_hints says why).
+          `--autocast bf16`: each step's forward under torch.autocast, as HF Trainer's and TRL's bf16=True run it
+          (over fp32 weights with `--dtype fp32`, as TRL loads them).
           `--grad-ckpt`: transformers' gradient checkpointing on every variant (use_reentrant=False); with long
           `--seqs`, the longest sequence that trains is the longest row without "OOM".
           `--layout`: `single` (one sequence of `--seqs` tokens, the default), `padded` (a batch of 4 sequences
@@ -446,6 +448,12 @@ def use_sliding(choice: str, flex_options: dict | None = None) -> None:
     g4ops.attention.SLIDING_FLEX_KERNEL_OPTIONS = flex_options
 
 
+def step_autocast(args):
+    """torch.autocast to `--autocast`'s dtype around a step's forward, or a context that does nothing."""
+    return torch.autocast(torch.device(args.device).type, dtype=DTYPES[args.autocast or "bf16"],
+                          enabled=args.autocast is not None)  # fmt: skip
+
+
 def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -> list[dict]:
     """One row per `--optimizers` entry, all on one model built and compiled once (a 42-layer compile takes
     minutes; the forward + backward graph does not depend on the optimizer). Each optimizer starts from the initial
@@ -464,6 +472,8 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
                 on_flex = variant.endswith("compile") and args.device.startswith("cuda")
                 common["sliding"] = args.sliding if on_flex else "stock"
             common["attention"] = model.config._attn_implementation
+            if args.autocast:
+                common["autocast"] = args.autocast
             if args.grad_ckpt:  # before peft wraps it, as a LoRA finetune turns it on
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                 common["grad_ckpt"] = True
@@ -479,7 +489,8 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
                 if use_g4ops:  # asked outside the compiled step, whose trace does not log
                     common["lora_linear_projections"] = sum(map(g4ops.lora.runs_lora_linear, model.modules()))
                     mlps = [m for m in model.modules() if type(m).__name__ == "Gemma4TextMLP"]
-                    common["lora_mlp_fallback"] = sorted({g4ops.lora.fallback_reason(m) for m in mlps} - {None})
+                    with step_autocast(args):  # the fallback reasons the step's own forward would meet
+                        common["lora_mlp_fallback"] = sorted({g4ops.lora.fallback_reason(m) for m in mlps} - {None})
             compiled = variant.endswith("compile")
             if compiled and args.compile_mode != "default":
                 common["compile_mode"] = args.compile_mode
@@ -524,7 +535,8 @@ def measure_optimizer_row(args, model, step_model, optimizer: str, batch: dict, 
         def step():
             if graphed:  # a new training iteration: the graphs' outputs of the last one may be overwritten
                 torch.compiler.cudagraph_mark_step_begin()
-            loss = step_model(**batch).loss
+            with step_autocast(args):
+                loss = step_model(**batch).loss
             loss.backward()
             if opt is not None:
                 opt.step()
@@ -760,10 +772,10 @@ def write_json(args, results):
 
 
 def print_row(row):
-    keys = ("part", "variant", "batch", "seq", "layout", "real_tokens", "lora_r", "compile_mode", "optimizer",
-            "tok_s", "back_to_back_tok_s", "peak_gib", "speedup_vs_stock", "first_loss", "loss_matches_stock",
-            "first_step_s", "cudagraph_skips", "warmup_s", "first_fast_token", "first_fast_token_since_process_start_s",
-            "error")
+    keys = ("part", "variant", "batch", "seq", "layout", "real_tokens", "lora_r", "autocast", "compile_mode",
+            "optimizer", "tok_s", "back_to_back_tok_s", "peak_gib", "speedup_vs_stock", "first_loss",
+            "loss_matches_stock", "first_step_s", "cudagraph_skips", "warmup_s", "first_fast_token",
+            "first_fast_token_since_process_start_s", "error")
     print("  ".join(f"{k}={fmt(row[k])}" for k in keys if k in row), flush=True)
 
 
@@ -845,6 +857,9 @@ def parse_args(argv=None):
                          "(g4ops.optim.AdamW); all on one compiled model per variant")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=600, help="timed decode; > 512 crosses the window")
+    ap.add_argument("--autocast", choices=["bf16", "fp16"], default=None,
+                    help="train: each step's forward under torch.autocast to this dtype, as HF Trainer's and TRL's "
+                         "bf16=True run it (TRL loads fp32 weights: with --dtype fp32)")
     ap.add_argument("--grad-ckpt", action="store_true",
                     help="train: gradient checkpointing on (use_reentrant=False), e.g. for the longest sequence that "
                          "fits: --seqs 16384,32768,65536 --variants stock,g4ops")

@@ -52,6 +52,18 @@ def test_e2e_smoke(tmp_path):
     assert parity["fp32_greedy"]["identical"] is True
 
 
+def test_e2e_lora_under_autocast(tmp_path):
+    """`--autocast bf16` (Trainer's and TRL's bf16=True over fp32 weights): every row says so, g4ops' first loss
+    matches stock's, and no MLP leaves the fused LoRA path."""
+    out = tmp_path / "autocast.json"
+    _run(["bench/e2e.py", "--device", "cpu", "--shape", "tiny-e4b", "--layers", "3", "--parts", "train", "--seqs", "32",
+          "--lora", "4", "--variants", "stock,g4ops", "--dtype", "fp32", "--autocast", "bf16", "--optimizers", "none",
+          "--warmup-steps", "1", "--steps", "1", "--json", str(out)], tmp_path)  # fmt: skip
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["train"]}
+    assert {r.get("autocast") for r in rows.values()} == {"bf16"}, rows
+    assert rows["g4ops"]["loss_matches_stock"] is True and rows["g4ops"]["lora_mlp_fallback"] == [], rows["g4ops"]
+
+
 def test_e2e_refuses_flex_masked_where_the_integration_does(monkeypatch):
     """`--sliding flex-masked` under a torch whose integration keeps masked sliding layers on SDPA would label stock
     rows as FlexAttention's: the arguments are refused, naming why."""
