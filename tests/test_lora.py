@@ -875,3 +875,50 @@ def test_saves_gate_up_and_low_rank_products_only():
     ours, stock = saved_bytes(True), saved_bytes(False)
     assert ours == expected, (ours, expected)
     assert stock > ours + tokens * (HIDDEN + INTER) * F32.itemsize  # at least peft's fp32 copies of x and h more
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# peft configurations users pick, on the whole tiny model: g4ops (enable(model, attention=True)) equals stock in fp32
+
+
+_USER_CONFIGS = {
+    "all-linear": dict(target_modules="all-linear"),  # the per-layer-input projections too (they stay on peft)
+    "dora-mlp": dict(target_modules=["q_proj", "v_proj", "gate_proj"], use_dora=True),  # DoRA everywhere: peft's
+    "layers-to-transform": dict(target_modules=["q_proj", "gate_proj", "down_proj"], layers_to_transform=[1, 2]),
+    "rank-alpha-pattern": dict(target_modules=["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                               rank_pattern={"gate_proj": 2}, alpha_pattern={"down_proj": 3}),  # fmt: skip
+    "dropout-checkpointing": dict(target_modules=["q_proj", "k_proj", "gate_proj", "up_proj", "down_proj"],
+                                  lora_dropout=0.2),  # masks redrawn in the recomputed forward, as peft's are
+    "trainable-tokens": dict(target_modules=["q_proj", "gate_proj"], trainable_token_indices={"embed_tokens": [5, 6]}),
+    "modules-to-save": dict(target_modules=["q_proj", "gate_proj"], modules_to_save=["input_layernorm"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_USER_CONFIGS))
+def test_user_peft_configs_train_like_stock(name):
+    """Loss and every trainable gradient of a 4-layer tiny model equal stock peft's up to fp32 reassociation, with
+    the fused path taken wherever a config leaves plain LoRA on an MLP."""
+    model = build_model("tiny-e4b", num_layers=4).train()
+    if name == "dropout-checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    settings = dict(r=4, lora_alpha=8, init_lora_weights=False, **_USER_CONFIGS[name])
+    model = peft.get_peft_model(model, peft.LoraConfig(**settings)).train()
+    ids = torch.randint(3, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(4))
+
+    def step(enabled: bool):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)  # the same dropout draws either way
+        counter = G4opsCalls()
+        with g4ops.enable(model, attention=True) if enabled else _nothing(), counter if enabled else _nothing():
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, counter.calls
+
+    stock_loss, stock_grads, _ = step(False)
+    loss, grads, calls = step(True)
+    assert abs(loss - stock_loss) <= _fp32_tol(model.config.vocab_size) * abs(stock_loss)
+    assert grads.keys() == stock_grads.keys() and grads
+    for n, g in stock_grads.items():
+        assert O.rel_err(grads[n], g) <= 4 * _fp32_tol(64 * 40), n
+    fused = calls.get("g4ops.lora_geglu_mlp_forward.default", 0)
+    assert (fused > 0) == (name != "dora-mlp"), calls  # a DoRA MLP keeps peft's forward
