@@ -89,8 +89,8 @@ has bench && stage bench "$BENCH_TIMEOUT" $PY bench/kernel_bench.py --json "$OUT
 # shellcheck disable=SC2086
 has e2e && stage e2e "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-}
 # shellcheck disable=SC2086
-has lorafused && stage lorafused "${LORAFUSED_TIMEOUT:-540}" $PY bench/lora_grad_fused.py --json "$OUT/lora-grad-fused.json" \
-  ${LORAFUSED_ARGS:-}
+has lorafused && stage lorafused "${LORAFUSED_TIMEOUT:-540}" $PY bench/lora_grad_fused.py \
+  --json "$OUT/lora-grad-fused.json" ${LORAFUSED_ARGS:-}
 # shellcheck disable=SC2086
 has flex && stage flex "${FLEX_TIMEOUT:-540}" $PY bench/flex_options.py --json "$OUT/flex.json" ${FLEX_ARGS:-}
 # shellcheck disable=SC2086

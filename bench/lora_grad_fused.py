@@ -24,10 +24,11 @@ the same contract as `_split_mm`. No atomics: each program writes its partial u 
     TRITON_INTERPRET=1 python bench/lora_grad_fused.py --check-only     # CPU: correctness at small odd shapes
 
 Reported per projection: microseconds for today's pair (compiled as the op compiles its math), for peft's fp32 pair,
-for each kernel configuration and the best (with its two `sum` reductions, and the kernel alone); the memory floor (the bytes the pair must move, at the copy bandwidth
-measured in the same run); and each result's largest error relative to an fp64 oracle. Triton's interpreter (CPU)
-computes bf16 dots wrongly (triton 3.6, 2026-12-05), so under TRITON_INTERPRET the parts enter fp32 "ieee" dots
-instead: their products are exact in fp32 either way, so the check covers the splitting, tiling and reduction.
+for each kernel configuration and the best (with its two `sum` reductions, and the kernel alone); the memory floor
+(the bytes the pair must move, at the copy bandwidth measured in the same run); and each result's largest error
+relative to an fp64 oracle. Triton's interpreter (CPU) computes bf16 dots wrongly (triton 3.6, 2026-12-05), so under
+TRITON_INTERPRET the parts enter fp32 "ieee" dots instead: their products are exact in fp32 either way, so the check
+covers the splitting, tiling and reduction.
 """
 
 from __future__ import annotations
