@@ -895,9 +895,10 @@ _USER_CONFIGS = {
 
 
 @pytest.mark.parametrize("name", sorted(_USER_CONFIGS))
-def test_user_peft_configs_train_like_stock(name):
+def test_user_peft_configs_train_like_stock(name, monkeypatch):
     """Loss and every trainable gradient of a 4-layer tiny model equal stock peft's up to fp32 reassociation, with
     the fused path taken wherever a config leaves plain LoRA on an MLP."""
+    monkeypatch.setattr(lora, "_logged", set())  # its fallback reasons are said once: not on behalf of later tests
     model = build_model("tiny-e4b", num_layers=4).train()
     if name == "dropout-checkpointing":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
