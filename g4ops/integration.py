@@ -725,7 +725,7 @@ def g4ops_attention_forward(
         # lower-precision list, so stock runs all three in the autocast dtype: cast them so here, for every path below
         # (g4ops.attention needs one dtype; it raised a TypeError on unmasked calls before).
         dtype = torch.get_autocast_dtype(query.device.type)
-        query, key, value = (t.to(dtype) if t.dtype != torch.float64 else t for t in (query, key, value))
+        query, key, value = (ops.to_autocast_dtype(t, dtype) for t in (query, key, value))
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     position_ids = kwargs.get("position_ids") if causal else None

@@ -1001,13 +1001,13 @@ def geglu_mlp(mlp: nn.Module, x: torch.Tensor, is_plain_linear):
 
 def _autocast_call(op, x, weights, groups):
     """`op(x, *weights, *groups)` (groups: adapter lists as `_with_masks` gives them); under torch.autocast, with x,
-    the weights and the adapters' A and B cast to the autocast dtype first and autocast off inside (module docstring).
-    What autocast casts: floating tensors other than float64."""
+    the weights and the adapters' A and B cast to the autocast dtype first (`ops.to_autocast_dtype`) and autocast
+    off inside (module docstring)."""
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type):
         return op(x, *weights, *groups)
     dtype = torch.get_autocast_dtype(device_type)
-    cast = lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t  # noqa: E731
+    cast = lambda t: ops.to_autocast_dtype(t, dtype)  # noqa: E731
     groups = [[(cast(a), cast(b), *rest) for a, b, *rest in group] for group in groups]
     with torch.autocast(device_type, enabled=False):
         return op(cast(x), *map(cast, weights), *groups)

@@ -629,6 +629,13 @@ _lib.impl("adamw_step", _adamw_step_autograd, "Autograd", with_keyset=True)
 # returns x's dtype either way, as stock does).
 
 
+def to_autocast_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as torch.autocast casts an input of a lower-precision op (F.linear, SDPA): floating tensors other than
+    float64 to `dtype`, the rest unchanged."""
+    return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+
+
+
 def _make_geglu_autocast(device_type: str, key: str):
     exclude = torch._C.DispatchKeySet(key)
 

@@ -478,6 +478,16 @@ def assert_no_worse_than_stock(name: str, err_g4: float, err_stock: float, slack
     )
 
 
+def assert_run_no_worse_than_stock(ours, stock, truth, out_k: int, grad_k: int, dtype: torch.dtype) -> None:
+    """Runs of one layer as (output, input gradient, {parameter: gradient}, ...): each of g4ops' results no worse
+    than stock's against the fp64 truth's, with reductions of `out_k` for the output and the input gradient and of
+    `grad_k` for the parameters' gradients (bound (2), `floor`)."""
+    pairs = [("out", ours[0], stock[0], truth[0], out_k), ("grad_x", ours[1], stock[1], truth[1], out_k)]
+    pairs += [(name, ours[2][name], stock[2][name], truth[2][name], grad_k) for name in truth[2]]
+    for name, g4, st, ref, k in pairs:
+        assert_no_worse_than_stock(name, rel_err(g4, ref), rel_err(st, ref), floor(dtype, k, ref.numel()))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Random inputs. Values never are zero (|v| >= 2^-8 before scaling), and layouts cover the strided cases the ops
 # see in a model: slices of a wider projection, transposed storage, every other row, q/k-norm head views.
