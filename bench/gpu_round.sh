@@ -7,6 +7,8 @@
 #   STAGES="build sampling serve" bash bench/gpu_round.sh   # issue 16's and 17's benchmarks (each under 10 min)
 #   STAGES="build flex" FLEX_ARGS="--kinds full" bash bench/gpu_round.sh   # flex kernel options vs g4ops attention
 #   STAGES="env lorafused" bash bench/gpu_round.sh   # the fused LoRA u/dB prototype vs today's split pair (no build)
+#   STAGES="build e2e-each" E2E_VARIANTS="g4ops-compile liger stock-compile" E2E_ARGS="--parts train --seqs 2048" \
+#     bash bench/gpu_round.sh                         # compared train rows, each variant in its own process
 # Wheels in .whl/ (ignored: carry it) or .wheels/ are installed into /tmp/site first: the GPU image lacks
 # Liger-Kernel and the serve stack (FastAPI, Starlette, uvicorn, pydantic, openai).
 # The kernel build takes 70-90 s on each fresh machine. SAVE_BUILD=1 copies the built library to $OUT, gzipped (the
@@ -88,6 +90,13 @@ has test && stage tests "$TEST_TIMEOUT" $PY -m pytest -m cuda -rf -p no:cachepro
 has bench && stage bench "$BENCH_TIMEOUT" $PY bench/kernel_bench.py --json "$OUT/kernels.json" ${BENCH_ARGS:-}
 # shellcheck disable=SC2086
 has e2e && stage e2e "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-}
+# e2e-each: one process per train variant of E2E_VARIANTS (space-separated), as the compared rows are taken (no
+# compile caches or allocator state shared between variants); each writes $OUT/e2e-VARIANT.json
+for variant in ${E2E_VARIANTS:-}; do
+  # shellcheck disable=SC2086
+  has e2e-each && stage "e2e-$variant" "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e-$variant.json" \
+    --variants "$variant" ${E2E_ARGS:-}
+done
 # shellcheck disable=SC2086
 has lorafused && stage lorafused "${LORAFUSED_TIMEOUT:-540}" $PY bench/lora_grad_fused.py \
   --json "$OUT/lora-grad-fused.json" ${LORAFUSED_ARGS:-}

@@ -23,9 +23,11 @@ the same contract as `_split_mm`. No atomics: each program writes its partial u 
     python bench/lora_grad_fused.py --json $OUT/lora-grad-fused.json     # CUDA: E4B's projections, r=16, 2048 rows
     TRITON_INTERPRET=1 python bench/lora_grad_fused.py --check-only     # CPU: correctness at small odd shapes
 
-Reported per projection: microseconds for today's pair (compiled as the op compiles its math), for peft's fp32 pair,
-for each kernel configuration and the best (with its two `sum` reductions, and the kernel alone); the memory floor
-(the bytes the pair must move, at the copy bandwidth measured in the same run); and each result's largest error
+Reported per projection (eager: CUDA events around back-to-back calls, which for kernels this small measures the
+host's launch cost; graphed: the same calls replayed from one CUDA graph, the GPU time a graphed step pays):
+microseconds for today's pair (compiled as the op compiles its math), for peft's fp32 pair, for each kernel
+configuration and the best (with its two `sum` reductions, and the kernel alone); the memory floor (the bytes the
+pair must move, at the copy bandwidth measured in the same run); and each result's largest error
 relative to an fp64 oracle. Triton's interpreter (CPU) computes bf16 dots wrongly (triton 3.6, 2026-12-05), so under
 TRITON_INTERPRET the parts enter fp32 "ieee" dots instead: their products are exact in fp32 either way, so the check
 covers the splitting, tiling and reduction.
@@ -181,6 +183,24 @@ def time_us(fn, calls: int = 50, reps: int = 7) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graphed_time_us(fn, calls: int = 50, reps: int = 7) -> float:
+    """As `time_us`, but the `calls` calls are captured in one CUDA graph and replayed: the GPU time alone, as the
+    graphed training step (reduce-overhead) runs them. Eager timing of these small kernels measured the host's
+    launch cost: 110-123 us for today's pair at every projection width on the H100 (2026-12-06)."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm-up on a side stream before capture, as torch.cuda.graphs asks
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_us(graph.replay, calls=1, reps=reps) / calls
+
+
 def copy_bandwidth(device) -> float:
     """Bytes per microsecond of a 1 GiB device-to-device copy (read + write)."""
     src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device).normal_()
@@ -192,7 +212,9 @@ def bench(T: int, N: int, r: int, device, bandwidth: float) -> dict:
     dy, b, mid = inputs(T, N, r, device, seed=N)
     compiled_split = torch.compile(split_pair, dynamic=False, fullgraph=True)
     row = {"T": T, "N": N, "r": r, "split_us": time_us(lambda: compiled_split(dy, b, mid, 2.0)),
-           "peft_fp32_us": time_us(lambda: peft_pair(dy, b, mid, 2.0))}  # fmt: skip
+           "peft_fp32_us": time_us(lambda: peft_pair(dy, b, mid, 2.0)),
+           "split_graphed_us": graphed_time_us(lambda: compiled_split(dy, b, mid, 2.0)),
+           "peft_fp32_graphed_us": graphed_time_us(lambda: peft_pair(dy, b, mid, 2.0))}  # fmt: skip
     moved = dy.numel() * 2 + (b.numel() + mid.numel()) * 4 * 2  # dY once; b, mid read; u, dB written
     row["floor_us"] = moved / bandwidth
     timed, row["configs"] = {}, {}
@@ -206,6 +228,11 @@ def bench(T: int, N: int, r: int, device, bandwidth: float) -> dict:
         row["fused_best_us"], row["fused_best_config"] = timed[best], list(best)
         # what one launch costs without the two reductions (which an integrated version would fold into the kernel)
         row["fused_best_kernel_only_us"] = time_us(lambda: fused_partials(dy, b, mid, best))
+        # graphed: the GPU time the step would pay; the best eager config, and every config again under the graph
+        graphed = {c: graphed_time_us(lambda c=c: fused_u_db(dy, b, mid, 2.0, c)) for c in timed}
+        best_graphed = min(graphed, key=graphed.get)
+        row["fused_graphed_best_us"], row["fused_graphed_best_config"] = graphed[best_graphed], list(best_graphed)
+        row["fused_graphed_kernel_only_us"] = graphed_time_us(lambda: fused_partials(dy, b, mid, best_graphed))
         row.update(check(T, N, r, device, best))
     return row
 
