@@ -876,6 +876,8 @@ def parse_args(argv=None):
     check_sliding_arg(ap, args.sliding)
     if args.smoke:
         args.batches, args.seqs, args.variants = "2", "16", "stock,liger,g4ops"
+        if not args.model and not args.shape.startswith("tiny-"):  # a full-size random model: 32 GB of fp32 on CPU
+            args.shape = "tiny-" + args.shape
         args.decode_tokens, args.parity_tokens, args.fp32_tokens = 12, 10, 10
         args.prompt_len, args.warmup_steps, args.steps, args.fp32_layers = 6, 1, 1, 3
         if args.device == "cpu" and args.dtype == "bf16":
