@@ -75,6 +75,11 @@ yet). Stock's 200 s compile and ours still share one 10-minute call only at one 
 Liger-Kernel is measured where `import liger_kernel` works (0.8.5 has `apply_liger_kernel_to_gemma4_text`, used
 here); otherwise its rows say why they are missing.
 
+`--merge A.json B.json ...` runs nothing: it joins the train rows of files this script wrote, one variant each (as
+bench/gpu_round.sh's `e2e-each` stage writes them, each variant in its own process of one call), into one table with
+each row's tok/s and first loss against the `--merge-reference` variant's row of the same workload (default
+stock-compile). Files from different GPUs or torch/transformers versions are refused: ratios compare within one call.
+
 `--model PATH` runs any part on a local checkpoint (its own layer count, in fp32 too) instead of random weights;
 `--prompt TEXT` then gives decode and parity a real prompt by its tokenizer. A trained model's top-1/top-2 margins
 are what the 0.99 parity target assumes (bench/results/2026-11-29-h200-session5-train42.md).
@@ -100,6 +105,7 @@ import math
 import platform
 import statistics
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -798,6 +804,53 @@ def print_table(results):
         print("parity", json.dumps(results["parity"]))
 
 
+# A train row's workload: rows with equal keys did the same work, whatever the variant and its compile mode.
+WORKLOAD_KEYS = ("seq", "layout", "real_tokens", "lora_r", "optimizer", "autocast", "grad_ckpt")
+
+
+def merge_train(paths: list[str], reference: str, loss_tol: float) -> dict:
+    """`--merge`: the train rows of `paths` (this script's JSON) in one result, each compared with the `reference`
+    variant's row of the same workload (`speedup_vs_<reference>`, `loss_matches_<reference>`)."""
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        raise SystemExit(f"--merge: no such file: {', '.join(missing)}")
+    files = [json.loads(Path(p).read_text()) for p in paths]
+    stacks = sorted({json.dumps([f["meta"].get(k) for k in ("gpu", "torch", "transformers")]) for f in files})
+    if len(stacks) > 1:
+        raise SystemExit(f"--merge: the files come from different GPUs or stacks ({', '.join(stacks)}); their rows "
+                         "compare only within one machine and one call")
+    rows = [dict(row, source=Path(path).name) for path, f in zip(paths, files) for row in f.get("train", [])]
+    refs = {}
+    for row in rows:
+        if row["variant"] == reference and "tok_s" in row:
+            refs.setdefault(tuple(row.get(k) for k in WORKLOAD_KEYS), row)
+    for row in rows:
+        ref = refs.get(tuple(row.get(k) for k in WORKLOAD_KEYS))
+        if ref is None or row["variant"] == reference or "tok_s" not in row:
+            continue
+        row[f"speedup_vs_{reference}"] = row["tok_s"] / ref["tok_s"]
+        row[f"loss_matches_{reference}"] = abs(row["first_loss"] - ref["first_loss"]) <= loss_tol * max(
+            1.0, abs(ref["first_loss"]))
+    dates = sorted(f["meta"]["date"] for f in files)
+    merged_meta = {k: v for k, v in files[0]["meta"].items() if k not in ("date", "args")}
+    merged_meta.update(dates=[dates[0], dates[-1]], merged=[Path(p).name for p in paths], reference=reference)
+    return {"meta": merged_meta, "train": rows}
+
+
+def print_merged(results: dict) -> None:
+    """`--merge`'s table (markdown): one line per train row."""
+    reference = results["meta"]["reference"]
+    print(f"| variant | seq | layout | real tokens | lora r | optimizer | tok/s | x {reference} | peak GiB | "
+          f"first step s | loss matches {reference} | error |")
+    print("|---|---:|---|---:|---:|---|---:|---:|---:|---:|---|---|")
+    for r in results["train"]:
+        cells = (r["variant"] + (f" ({r['compile_mode']})" if r.get("compile_mode") else ""), r.get("seq"),
+                 r.get("layout"), r.get("real_tokens"), r.get("lora_r"), r.get("optimizer"), r.get("tok_s"),
+                 r.get(f"speedup_vs_{reference}"), r.get("peak_gib"), r.get("first_step_s"),
+                 r.get(f"loss_matches_{reference}"), r.get("error", ""))  # fmt: skip
+        print("| " + " | ".join(map(fmt, cells)) + " |")
+
+
 def meta(args):
     info = dict(
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), python=platform.python_version(),
@@ -871,6 +924,10 @@ def parse_args(argv=None):
     ap.add_argument("--loss-tol", type=float, default=2e-2, help="relative first-loss tolerance vs stock (bf16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write all results here")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="run nothing: join the train rows of these files (one variant each, one call) into one "
+                         "table against --merge-reference (module docstring)")
+    ap.add_argument("--merge-reference", default="stock-compile", choices=VARIANTS)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, eager variants only: proves the script runs")
     args = ap.parse_args(argv)
     check_sliding_arg(ap, args.sliding)
@@ -916,6 +973,11 @@ def main(argv=None):
     if args.dict_tag_guards:
         torch._dynamo.config.use_recursive_dict_tags_for_guards = True
         torch._dynamo.config.max_saved_pointers_for_recursive_dict_tags_check = 1 << 20  # a 42-layer model's modules
+    if args.merge:
+        results = merge_train(args.merge, args.merge_reference, args.loss_tol)
+        print_merged(results)
+        write_json(args, results)
+        return results
     results = {"meta": meta(args)}
     parts = {"decode": bench_decode, "train": bench_train, "parity": bench_parity}
     for part in args.parts:

@@ -97,6 +97,11 @@ for variant in ${E2E_VARIANTS:-}; do
   has e2e-each && stage "e2e-$variant" "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e-$variant.json" \
     --variants "$variant" ${E2E_ARGS:-}
 done
+# ... and their rows in one table against E2E_REFERENCE's (bench/e2e.py --merge), also in $OUT/e2e-table.md
+if has e2e-each && [ -n "${E2E_VARIANTS:-}" ]; then
+  $PY bench/e2e.py --merge "$OUT"/e2e-*.json --merge-reference "${E2E_REFERENCE:-stock-compile}" 2>&1 \
+    | tee "$OUT/e2e-table.md"
+fi
 # shellcheck disable=SC2086
 has lorafused && stage lorafused "${LORAFUSED_TIMEOUT:-540}" $PY bench/lora_grad_fused.py \
   --json "$OUT/lora-grad-fused.json" ${LORAFUSED_ARGS:-}

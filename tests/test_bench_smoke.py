@@ -143,6 +143,34 @@ def test_e2e_train_padded_and_packed_layouts(tmp_path):
         assert n_padded == n_packed and abs(padded - packed) <= 1e-5 * abs(padded), losses
 
 
+def test_e2e_merge_joins_one_variant_per_file(tmp_path):
+    """--merge (gpu_round.sh's e2e-each table): rows of single-variant files, each written by its own process, are
+    compared with the reference variant's row of the same workload; files of another machine are refused."""
+    paths = []
+    for variant in ("stock", "g4ops"):
+        paths.append(tmp_path / f"e2e-{variant}.json")
+        _run(["bench/e2e.py", "--device", "cpu", "--shape", "tiny-e4b", "--dtype", "fp32", "--seqs", "32", "--parts",
+              "train", "--layout", "packed", "--lora", "2", "--optimizers", "none", "--warmup-steps", "1", "--steps",
+              "1", "--variants", variant, "--json", str(paths[-1])], tmp_path)  # fmt: skip
+    merged = tmp_path / "merged.json"
+    proc = _run(["bench/e2e.py", "--merge", *map(str, paths), "--merge-reference", "stock", "--json", str(merged)],
+                tmp_path)  # fmt: skip
+    result = json.loads(merged.read_text())
+    rows = {r["variant"]: r for r in result["train"]}
+    assert set(rows) == {"stock", "g4ops"} and rows["g4ops"]["source"] == "e2e-g4ops.json"
+    g4 = rows["g4ops"]
+    assert g4["speedup_vs_stock"] == g4["tok_s"] / rows["stock"]["tok_s"] and g4["loss_matches_stock"] is True
+    assert "speedup_vs_stock" not in rows["stock"]
+    assert "| g4ops | 32 | packed | 26 | 2 | none |" in proc.stdout
+    other = json.loads(paths[0].read_text())
+    other["meta"]["gpu"] = "another GPU"
+    paths[0].write_text(json.dumps(other))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    refused = subprocess.run([sys.executable, "bench/e2e.py", "--merge", *map(str, paths)], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode != 0 and "different GPUs or stacks" in refused.stderr, refused.stderr
+
+
 def test_e2e_decode_variants_in_their_own_processes(tmp_path):
     """--decode-processes each (the CUDA default): one child process per variant, rows merged and compared."""
     out = tmp_path / "e2e.json"
