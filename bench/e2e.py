@@ -79,6 +79,8 @@ here); otherwise its rows say why they are missing.
 bench/gpu_round.sh's `e2e-each` stage writes them, each variant in its own process of one call), into one table with
 each row's tok/s and first loss against the `--merge-reference` variant's row of the same workload (default
 stock-compile). Files from different GPUs or torch/transformers versions are refused: ratios compare within one call.
+`--timing-turns DIR` lets such processes start side by side: they compile together and time one at a time
+(`TimingTurns`), so a call pays the longest 42-layer compile instead of their sum.
 
 `--model PATH` runs any part on a local checkpoint (its own layer count, in fp32 too) instead of random weights;
 `--prompt TEXT` then gives decode and parity a real prompt by its tokenizer. A trained model's top-1/top-2 margins
@@ -102,6 +104,7 @@ import contextlib
 import gc
 import json
 import math
+import os
 import platform
 import statistics
 import traceback
@@ -525,6 +528,53 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
     return rows
 
 
+class TimingTurns:
+    """`--timing-turns DIR`: variant processes of one call that run side by side (gpu_round.sh's e2e-each with
+    E2E_PARALLEL=1) compile and warm up together, then take their timed steps one at a time. A 42-layer compile is
+    minutes of host work that barely uses the GPU, so overlapping them shortens a call by the shorter compiles;
+    timing alone keeps each step's numbers its own. Each process waits until all `--timing-parties` are warmed up
+    (or have exited, or `--timing-wait-s` passed), then holds an exclusive lock on DIR/lock until it exits, so
+    every later step of its own (other optimizers' rows too) runs alone. Rows record when their timed steps ran."""
+
+    def __init__(self, directory: str, parties: int, wait_s: float):
+        self.dir, self.parties, self.wait_s = Path(directory), parties, wait_s
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / f"joined-{os.getpid()}").touch()
+        self.lock = None  # the open lock file once this process has its turn (released when the process exits)
+
+    def _settled(self) -> bool:
+        """All parties are warmed up or gone (a party that failed before warming up must not stall the others)."""
+        ready = {p.name.split("-", 1)[1] for p in self.dir.glob("ready-*")}
+        joined = {p.name.split("-", 1)[1] for p in self.dir.glob("joined-*")}
+        gone = {pid for pid in joined - ready if not _alive(int(pid))}
+        return len(ready | gone) >= self.parties
+
+    def take(self, row: dict) -> None:
+        """Blocks until this process may time alone; notes the wait in `row`. Once per process."""
+        if self.lock is not None:
+            return
+        import fcntl
+
+        (self.dir / f"ready-{os.getpid()}").touch()
+        start = time.time()
+        while not self._settled() and time.time() - start < self.wait_s:
+            time.sleep(0.5)
+        row["timing_turn"] = dict(parties=self.parties, all_ready=self._settled())
+        self.lock = open(self.dir / "lock", "w")  # noqa: SIM115 - held for the rest of the process
+        fcntl.flock(self.lock, fcntl.LOCK_EX)
+        row["timing_turn"]["waited_s"] = time.time() - start
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def measure_optimizer_row(args, model, step_model, optimizer: str, batch: dict, real_tokens: int, state: dict,
                           row: dict):  # fmt: skip
     """Fills `row`: first step (compilation included for the first optimizer of a compiled variant), first loss,
@@ -564,6 +614,9 @@ def measure_optimizer_row(args, model, step_model, optimizer: str, batch: dict, 
             step()
             sync(args.device)
             row["warmup_steps_s"].append(time.perf_counter() - t)
+        if args.timing_turns is not None:
+            args.turns.take(row)
+        row["timed_from"] = time.time()  # wall clock: the timed steps of processes taking turns never overlap
         times = []
         for _ in range(args.steps):
             sync(args.device)
@@ -582,6 +635,7 @@ def measure_optimizer_row(args, model, step_model, optimizer: str, batch: dict, 
             step()
         sync(args.device)
         row["back_to_back_tok_s"] = real_tokens * args.steps / (time.perf_counter() - t)
+        row["timed_to"] = time.time()
         if graphed:  # did the step really replay CUDA graphs? Inductor counts each graph it left uncaptured
             row["cudagraph_skips"] = cudagraph_skips() - skips_before
     except Exception as exc:  # noqa: BLE001 - report and go on with the next optimizer
@@ -849,12 +903,15 @@ def print_merged(results: dict) -> None:
                  r.get(f"speedup_vs_{reference}"), r.get("peak_gib"), r.get("first_step_s"),
                  r.get(f"loss_matches_{reference}"), r.get("error", ""))  # fmt: skip
         print("| " + " | ".join(map(fmt, cells)) + " |")
+    if any("timing_turn" in r for r in results["train"]):
+        print("(compiled side by side, timed one at a time (TimingTurns): a first step includes the others' compile "
+              "load)")
 
 
 def meta(args):
     info = dict(
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), python=platform.python_version(),
-        torch=torch.__version__, args=vars(args),
+        torch=torch.__version__, args={k: v for k, v in vars(args).items() if k != "turns"},
     )  # no kernel status here: taken before any row loads the kernels, it read "not attempted"; train rows record
     # `g4ops_kernels_loaded` after their steps
     try:
@@ -924,6 +981,12 @@ def parse_args(argv=None):
     ap.add_argument("--loss-tol", type=float, default=2e-2, help="relative first-loss tolerance vs stock (bf16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write all results here")
+    ap.add_argument("--timing-turns", default=None, metavar="DIR",
+                    help="train: processes started side by side with the same DIR compile together and time one at a "
+                         "time (TimingTurns; gpu_round.sh E2E_PARALLEL=1)")
+    ap.add_argument("--timing-parties", type=int, default=1, help="with --timing-turns: how many processes share it")
+    ap.add_argument("--timing-wait-s", type=float, default=900.0,
+                    help="with --timing-turns: the longest wait for the other parties to warm up")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="run nothing: join the train rows of these files (one variant each, one call) into one "
                          "table against --merge-reference (module docstring)")
@@ -946,6 +1009,8 @@ def parse_args(argv=None):
         ap.error("--prompt needs --model (the built-in shapes have no tokenizer)")
     if args.model and args.layers is not None:
         ap.error("--layers applies to --shape models; a --model checkpoint runs all of its layers")
+    if args.timing_turns is not None:
+        args.turns = TimingTurns(args.timing_turns, args.timing_parties, args.timing_wait_s)
     if args.decode_processes is None:
         args.decode_processes = "each" if args.device.startswith("cuda") else "shared"
     args.parts = [p for p in args.parts.split(",") if p]

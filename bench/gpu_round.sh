@@ -9,6 +9,7 @@
 #   STAGES="env lorafused" bash bench/gpu_round.sh   # the fused LoRA u/dB prototype vs today's split pair (no build)
 #   STAGES="build e2e-each" E2E_VARIANTS="g4ops-compile liger stock-compile" E2E_ARGS="--parts train --seqs 2048" \
 #     bash bench/gpu_round.sh                         # compared train rows, each variant in its own process
+#   E2E_PARALLEL=1 STAGES="build e2e-each" ...        # the same, compiled side by side and timed one at a time
 # Wheels in .whl/ (ignored: carry it) or .wheels/ are installed into /tmp/site first: the GPU image lacks
 # Liger-Kernel and the serve stack (FastAPI, Starlette, uvicorn, pydantic, openai).
 # The kernel build takes 70-90 s on each fresh machine. SAVE_BUILD=1 copies the built library to $OUT, gzipped (the
@@ -91,12 +92,23 @@ has bench && stage bench "$BENCH_TIMEOUT" $PY bench/kernel_bench.py --json "$OUT
 # shellcheck disable=SC2086
 has e2e && stage e2e "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-}
 # e2e-each: one process per train variant of E2E_VARIANTS (space-separated), as the compared rows are taken (no
-# compile caches or allocator state shared between variants); each writes $OUT/e2e-VARIANT.json
-for variant in ${E2E_VARIANTS:-}; do
-  # shellcheck disable=SC2086
-  has e2e-each && stage "e2e-$variant" "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e-$variant.json" \
-    --variants "$variant" ${E2E_ARGS:-}
-done
+# compile caches or allocator state shared between variants); each writes $OUT/e2e-VARIANT.json. E2E_PARALLEL=1
+# starts them side by side: they compile together and time one at a time (bench/e2e.py's TimingTurns), so a call
+# pays the longest compile instead of the sum; their models must fit on the GPU together, and each E2E_TIMEOUT then
+# covers the wait for the others' turns.
+if has e2e-each && [ -n "${E2E_VARIANTS:-}" ]; then
+  n_variants=$(wc -w <<< "$E2E_VARIANTS")
+  turns=$(mktemp -d)  # fresh for each run: TimingTurns counts the files in it
+  for variant in $E2E_VARIANTS; do
+    extra=""
+    [ "${E2E_PARALLEL:-0}" = 1 ] && extra="--timing-turns $turns --timing-parties $n_variants"
+    # shellcheck disable=SC2086
+    cmd=(stage "e2e-$variant" "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e-$variant.json"
+         --variants "$variant" ${E2E_ARGS:-} $extra)
+    if [ "${E2E_PARALLEL:-0}" = 1 ]; then "${cmd[@]}" > /dev/null & else "${cmd[@]}"; fi
+  done
+  wait  # (stage's rc of a background run stays in its subshell: each log's "rc=" line says it)
+fi
 # ... and their rows in one table against E2E_REFERENCE's (bench/e2e.py --merge), also in $OUT/e2e-table.md
 if has e2e-each && [ -n "${E2E_VARIANTS:-}" ]; then
   $PY bench/e2e.py --merge "$OUT"/e2e-*.json --merge-reference "${E2E_REFERENCE:-stock-compile}" 2>&1 \

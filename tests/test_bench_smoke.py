@@ -171,6 +171,31 @@ def test_e2e_merge_joins_one_variant_per_file(tmp_path):
     assert refused.returncode != 0 and "different GPUs or stacks" in refused.stderr, refused.stderr
 
 
+def test_e2e_timing_turns_time_side_by_side_processes_one_at_a_time(tmp_path):
+    """--timing-turns (gpu_round.sh E2E_PARALLEL=1): processes started together each wait until all are warmed up,
+    then time alone: no two processes' timed steps (every optimizer's row) overlap in wall-clock time."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    procs = {}
+    for variant in ("stock", "g4ops"):
+        procs[variant] = subprocess.Popen(
+            [sys.executable, "bench/e2e.py", "--device", "cpu", "--shape", "tiny-e4b", "--dtype", "fp32", "--seqs",
+             "32", "--parts", "train", "--optimizers", "none,adamw", "--warmup-steps", "1", "--steps", "3",
+             "--variants", variant, "--timing-turns", str(tmp_path / "turns"), "--timing-parties", "2", "--json",
+             str(tmp_path / f"{variant}.json")], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True)  # fmt: skip
+    windows = []
+    for variant, proc in procs.items():
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-4000:]
+        rows = json.loads((tmp_path / f"{variant}.json").read_text())["train"]
+        assert [r["optimizer"] for r in rows] == ["none", "adamw"] and all("error" not in r for r in rows), rows
+        turn = rows[0]["timing_turn"]
+        assert turn["parties"] == 2 and turn["all_ready"] is True, turn
+        windows.append((min(r["timed_from"] for r in rows), max(r["timed_to"] for r in rows)))
+    (first_from, first_to), (second_from, second_to) = sorted(windows)
+    assert first_to <= second_from, windows
+
+
 def test_e2e_decode_variants_in_their_own_processes(tmp_path):
     """--decode-processes each (the CUDA default): one child process per variant, rows merged and compared."""
     out = tmp_path / "e2e.json"
