@@ -555,6 +555,8 @@ class TimingTurns:
             return
         import fcntl
 
+        if torch.cuda.is_initialized():  # hand this process's cached blocks back while others warm up and time
+            torch.cuda.empty_cache()
         (self.dir / f"ready-{os.getpid()}").touch()
         start = time.time()
         while not self._settled() and time.time() - start < self.wait_s:
