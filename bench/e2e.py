@@ -984,8 +984,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write all results here")
     ap.add_argument("--timing-turns", default=None, metavar="DIR",
-                    help="train: processes started side by side with the same DIR compile together and time one at a "
-                         "time (TimingTurns; gpu_round.sh E2E_PARALLEL=1)")
+                    help="train: processes started side by side with the same DIR (a new one for each run: files "
+                         "left by an earlier run count as parties) compile together and time one at a time "
+                         "(TimingTurns; gpu_round.sh E2E_PARALLEL=1)")
     ap.add_argument("--timing-parties", type=int, default=1, help="with --timing-turns: how many processes share it")
     ap.add_argument("--timing-wait-s", type=float, default=900.0,
                     help="with --timing-turns: the longest wait for the other parties to warm up")
