@@ -2,7 +2,9 @@
 run, so a red CI is reproducible and a green one does not hang on a lucky draw; local runs keep drawing new ones.
 A randomized run on 2026-12-06 found test_sandwich_norm_no_less_accurate_than_stock failing at fp16, x [1, 3, 2]
 (rowstep, fp32 weights, scale 1.0, seed 474): g4ops' dpre error 5.07e-4 against stock's 3.59e-4 (about 1 seed in
-300 of that shape); not yet explained."""
+300 of that shape). One of its 64 draws carries it: dpre's 3-row sum there has condition 203, and g4ops' error was
+0.0246 against stock's 0.0074; over the other 63 draws g4ops' summed error is half of stock's. The bound's
+average over draws lets one ill-conditioned draw decide: not yet changed."""
 
 import os
 
