@@ -463,6 +463,12 @@ def step_autocast(args):
                           enabled=args.autocast is not None)  # fmt: skip
 
 
+def loss_matches(loss: float, reference: float, tol: float) -> bool:
+    """A first loss equals the reference's within `tol` relative (bf16 model: the loss is a mean of seq terms, each
+    off by a few bf16 ulps of the logits)."""
+    return abs(loss - reference) <= tol * max(1.0, abs(reference))
+
+
 def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -> list[dict]:
     """One row per `--optimizers` entry, all on one model built and compiled once (a 42-layer compile takes
     minutes; the forward + backward graph does not depend on the optimizer). Each optimizer starts from the initial
@@ -670,10 +676,7 @@ def bench_train(args, results):
                     stock[optimizer] = row
                 ref = stock.get(optimizer)
                 if ref is not None and "first_loss" in row and variant != "stock":
-                    # bf16 model: the loss is a mean of seq terms, each off by a few bf16 ulps of the logits
-                    row["loss_matches_stock"] = abs(row["first_loss"] - ref["first_loss"]) <= args.loss_tol * max(
-                        1.0, abs(ref["first_loss"])
-                    )
+                    row["loss_matches_stock"] = loss_matches(row["first_loss"], ref["first_loss"], args.loss_tol)
                     if "tok_s" in row and "tok_s" in ref:
                         row["speedup_vs_stock"] = row["tok_s"] / ref["tok_s"]
                 rows.append(row)
@@ -885,8 +888,7 @@ def merge_train(paths: list[str], reference: str, loss_tol: float) -> dict:
         if ref is None or row["variant"] == reference or "tok_s" not in row:
             continue
         row[f"speedup_vs_{reference}"] = row["tok_s"] / ref["tok_s"]
-        row[f"loss_matches_{reference}"] = abs(row["first_loss"] - ref["first_loss"]) <= loss_tol * max(
-            1.0, abs(ref["first_loss"]))
+        row[f"loss_matches_{reference}"] = loss_matches(row["first_loss"], ref["first_loss"], loss_tol)
     dates = sorted(f["meta"]["date"] for f in files)
     merged_meta = {k: v for k, v in files[0]["meta"].items() if k not in ("date", "args")}
     merged_meta.update(dates=[dates[0], dates[-1]], merged=[Path(p).name for p in paths], reference=reference)

@@ -108,9 +108,7 @@ if has e2e-each && [ -n "${E2E_VARIANTS:-}" ]; then
     if [ "${E2E_PARALLEL:-0}" = 1 ]; then "${cmd[@]}" > /dev/null & else "${cmd[@]}"; fi
   done
   wait  # (stage's rc of a background run stays in its subshell: each log's "rc=" line says it)
-fi
-# ... and their rows in one table against E2E_REFERENCE's (bench/e2e.py --merge), also in $OUT/e2e-table.md
-if has e2e-each && [ -n "${E2E_VARIANTS:-}" ]; then
+  # ... and their rows in one table against E2E_REFERENCE's (bench/e2e.py --merge), also in $OUT/e2e-table.md
   $PY bench/e2e.py --merge "$OUT"/e2e-*.json --merge-reference "${E2E_REFERENCE:-stock-compile}" 2>&1 \
     | tee "$OUT/e2e-table.md"
 fi

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from g4ops import lora
+from kernel_bench import time_graph  # bench/kernel_bench.py: this script's own directory is on sys.path
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -183,24 +184,6 @@ def time_us(fn, calls: int = 50, reps: int = 7) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def graphed_time_us(fn, calls: int = 50, reps: int = 7) -> float:
-    """As `time_us`, but the `calls` calls are captured in one CUDA graph and replayed: the GPU time alone, as the
-    graphed training step (reduce-overhead) runs them. Eager timing of these small kernels measured the host's
-    launch cost: 110-123 us for today's pair at every projection width on the H100 (2026-12-06)."""
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm-up on a side stream before capture, as torch.cuda.graphs asks
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return time_us(graph.replay, calls=1, reps=reps) / calls
-
-
 def copy_bandwidth(device) -> float:
     """Bytes per microsecond of a 1 GiB device-to-device copy (read + write)."""
     src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device).normal_()
@@ -213,8 +196,8 @@ def bench(T: int, N: int, r: int, device, bandwidth: float) -> dict:
     compiled_split = torch.compile(split_pair, dynamic=False, fullgraph=True)
     row = {"T": T, "N": N, "r": r, "split_us": time_us(lambda: compiled_split(dy, b, mid, 2.0)),
            "peft_fp32_us": time_us(lambda: peft_pair(dy, b, mid, 2.0)),
-           "split_graphed_us": graphed_time_us(lambda: compiled_split(dy, b, mid, 2.0)),
-           "peft_fp32_graphed_us": graphed_time_us(lambda: peft_pair(dy, b, mid, 2.0))}  # fmt: skip
+           "split_graphed_us": time_graph(lambda: compiled_split(dy, b, mid, 2.0)),
+           "peft_fp32_graphed_us": time_graph(lambda: peft_pair(dy, b, mid, 2.0))}  # fmt: skip
     moved = dy.numel() * 2 + (b.numel() + mid.numel()) * 4 * 2  # dY once; b, mid read; u, dB written
     row["floor_us"] = moved / bandwidth
     timed, row["configs"] = {}, {}
@@ -229,10 +212,10 @@ def bench(T: int, N: int, r: int, device, bandwidth: float) -> dict:
         # what one launch costs without the two reductions (which an integrated version would fold into the kernel)
         row["fused_best_kernel_only_us"] = time_us(lambda: fused_partials(dy, b, mid, best))
         # graphed: the GPU time the step would pay; the best eager config, and every config again under the graph
-        graphed = {c: graphed_time_us(lambda c=c: fused_u_db(dy, b, mid, 2.0, c)) for c in timed}
+        graphed = {c: time_graph(lambda c=c: fused_u_db(dy, b, mid, 2.0, c)) for c in timed}
         best_graphed = min(graphed, key=graphed.get)
         row["fused_graphed_best_us"], row["fused_graphed_best_config"] = graphed[best_graphed], list(best_graphed)
-        row["fused_graphed_kernel_only_us"] = graphed_time_us(lambda: fused_partials(dy, b, mid, best_graphed))
+        row["fused_graphed_kernel_only_us"] = time_graph(lambda: fused_partials(dy, b, mid, best_graphed))
         row.update(check(T, N, r, device, best))
     return row
 
