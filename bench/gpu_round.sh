@@ -10,6 +10,9 @@
 #   STAGES="build e2e-each" E2E_VARIANTS="g4ops-compile liger stock-compile" E2E_ARGS="--parts train --seqs 2048" \
 #     bash bench/gpu_round.sh                         # compared train rows, each variant in its own process
 #   E2E_PARALLEL=1 STAGES="build e2e-each" ...        # the same, compiled side by side and timed one at a time
+#   E2E_PARALLEL=1 STAGES="build e2e-each" E2E_VARIANTS="g4ops-compile stock-compile" E2E_AFTER_VARIANTS=liger \
+#     E2E_LAYOUTS="packed padded" E2E_ARGS="--parts train --seqs 2048 --g4ops-attention --optimizers none --lora 16" \
+#     bash bench/gpu_round.sh                         # two layouts in one call (H200: about 112 GiB of peaks)
 # Wheels in .whl/ (ignored: carry it) or .wheels/ are installed into /tmp/site first: the GPU image lacks
 # Liger-Kernel and the serve stack (FastAPI, Starlette, uvicorn, pydantic, openai).
 # The kernel build takes 70-90 s on each fresh machine. SAVE_BUILD=1 copies the built library to $OUT, gzipped (the
@@ -92,22 +95,37 @@ has bench && stage bench "$BENCH_TIMEOUT" $PY bench/kernel_bench.py --json "$OUT
 # shellcheck disable=SC2086
 has e2e && stage e2e "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e.json" ${E2E_ARGS:-}
 # e2e-each: one process per train variant of E2E_VARIANTS (space-separated), as the compared rows are taken (no
-# compile caches or allocator state shared between variants); each writes $OUT/e2e-VARIANT.json. E2E_PARALLEL=1
-# starts them side by side: they compile together and time one at a time (bench/e2e.py's TimingTurns), so a call
-# pays the longest compile instead of the sum; their models must fit on the GPU together, and each E2E_TIMEOUT then
-# covers the wait for the others' turns.
-if has e2e-each && [ -n "${E2E_VARIANTS:-}" ]; then
-  n_variants=$(wc -w <<< "$E2E_VARIANTS")
+# compile caches or allocator state shared between variants); each writes $OUT/e2e-VARIANT.json. E2E_LAYOUTS (e.g.
+# "packed padded"): one process per variant and layout (`--layout L` added to E2E_ARGS), writing
+# $OUT/e2e-L-VARIANT.json. E2E_PARALLEL=1 starts them side by side: they compile together and time one at a time
+# (bench/e2e.py's TimingTurns), so a call pays the longest compile instead of the sum; their models must fit on the
+# GPU together, and each E2E_TIMEOUT then covers the wait for the others' turns. E2E_AFTER_VARIANTS run afterwards,
+# one process at a time: eager Liger compiles nothing, so it gains nothing from overlapping and its peak would add to
+# the others' (on an H200 two layouts of g4ops and stock compile LoRA fit side by side, about 112 GiB of peaks).
+if has e2e-each && [ -n "${E2E_VARIANTS:-}${E2E_AFTER_VARIANTS:-}" ]; then
+  layouts=${E2E_LAYOUTS:-"-"}  # "-": E2E_ARGS' own layout
+  n_parallel=$(( $(wc -w <<< "${E2E_VARIANTS:-}") * $(wc -w <<< "$layouts") ))
   turns=$(mktemp -d)  # fresh for each run: TimingTurns counts the files in it
-  for variant in $E2E_VARIANTS; do
-    extra=""
-    [ "${E2E_PARALLEL:-0}" = 1 ] && extra="--timing-turns $turns --timing-parties $n_variants"
-    # shellcheck disable=SC2086
-    cmd=(stage "e2e-$variant" "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e-$variant.json"
-         --variants "$variant" ${E2E_ARGS:-} $extra)
-    if [ "${E2E_PARALLEL:-0}" = 1 ]; then "${cmd[@]}" > /dev/null & else "${cmd[@]}"; fi
-  done
-  wait  # (stage's rc of a background run stays in its subshell: each log's "rc=" line says it)
+  e2e_each() {  # e2e_each PARALLEL VARIANT...: one e2e.py per variant and layout
+    local parallel=$1 variant layout name extra
+    shift
+    for variant in "$@"; do
+      for layout in $layouts; do
+        name=$variant extra=""
+        [ "$layout" != - ] && name=$layout-$variant extra="--layout $layout"
+        [ "$parallel" = 1 ] && extra="$extra --timing-turns $turns --timing-parties $n_parallel"
+        # shellcheck disable=SC2086
+        cmd=(stage "e2e-$name" "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e-$name.json"
+             --variants "$variant" ${E2E_ARGS:-} $extra)
+        if [ "$parallel" = 1 ]; then "${cmd[@]}" > /dev/null & else "${cmd[@]}"; fi
+      done
+    done
+    wait  # (stage's rc of a background run stays in its subshell: each log's "rc=" line says it)
+  }
+  # shellcheck disable=SC2086
+  e2e_each "${E2E_PARALLEL:-0}" ${E2E_VARIANTS:-}
+  # shellcheck disable=SC2086
+  e2e_each 0 ${E2E_AFTER_VARIANTS:-}
   # ... and their rows in one table against E2E_REFERENCE's (bench/e2e.py --merge), also in $OUT/e2e-table.md
   $PY bench/e2e.py --merge "$OUT"/e2e-*.json --merge-reference "${E2E_REFERENCE:-stock-compile}" 2>&1 \
     | tee "$OUT/e2e-table.md"
