@@ -62,7 +62,11 @@ traced forward returned a fresh tensor (2026-12-02: `G4OPS_LORA_TRACE=1 bash .ci
 tests/test_lora_compile.py` passes on CPU). It stays off by default below 2.13, where a compiled model calls the op:
 timed on the H200 under torch 2.11 (2026-12-03, 42 layers, 2048 tokens, r=16), the traced step ran 8119 tok/s after
 a 300 s first step, the op's 12424 (bench/results/2026-12-03-h200-session19.md). `G4OPS_LORA_TRACE=1` turns the
-traced path on, `=0` off.
+traced path on, `=0` off. Where it is off, the first trace that puts an op into a compiled graph warns once
+(`_warn_opaque_under_compile`): in the default compile mode every call costs host time on every step, and a 42-layer
+LoRA step ran at 0.50x (packed) and 0.58x (padded) of stock compile's speed (H100, torch 2.11, 2026-12-06); replayed
+from CUDA graphs (mode="reduce-overhead") the same steps ran at 1.34x and 1.14x of stock's default-mode rows
+(bench/results/2026-12-06-h100-session36.md).
 
 Not implemented, so peft's own forward runs and `geglu_mlp` below says why once at INFO on the "g4ops" logger:
 LoRA variants (DoRA, aLoRA, ... anything in peft's `lora_variant`), `lora_bias`, a dropout module other than a
@@ -84,6 +88,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -506,6 +511,24 @@ _LORA_COMPILE = os.environ.get("G4OPS_LORA_COMPILE")
 TRACE_UNDER_COMPILE = {"1": True, "0": False}.get(os.environ.get("G4OPS_LORA_TRACE", ""), torch_version() >= (2, 13))
 _compiled: dict = {}
 _compile_failed: list = []
+_opaque_warned = False
+
+
+@torch.compiler.assume_constant_result  # run once while tracing, a constant in the graph: no graph break
+def _warn_opaque_under_compile() -> bool:
+    """Say once that an outer torch.compile calls the LoRA ops opaquely (TRACE_UNDER_COMPILE off): each call then
+    costs host time on every step, unless the compiled model replays CUDA graphs."""
+    global _opaque_warned
+    if not _opaque_warned:
+        _opaque_warned = True
+        warnings.warn(
+            f"g4ops: this torch.compile graph calls g4ops' LoRA ops opaquely (g4ops.lora.TRACE_UNDER_COMPILE is off "
+            f"on torch {torch.__version__}; G4OPS_LORA_TRACE): each call costs host time on every step unless the "
+            "model is compiled with mode='reduce-overhead' (CUDA graphs). In the default mode a 42-layer LoRA step "
+            "ran at about half of stock torch.compile's speed (bench/results/2026-12-06-h100-session36.md)",
+            stacklevel=2,
+        )
+    return True
 
 
 def _fused(fn, *args):
@@ -698,6 +721,8 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
     lora_a, lora_b, scaling, dropout, masks = _adapter_lists([e for group in groups for e in group], "lora_geglu_mlp")
     counts = [len(g) for g in groups]
     if not (TRACE_UNDER_COMPILE and torch.compiler.is_compiling()):
+        if torch.compiler.is_compiling():
+            _warn_opaque_under_compile()
         return torch.ops.g4ops.lora_geglu_mlp(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks)
     # inside an outer compile: the math into its graph, no per-call host cost (module docstring)
     _check_traced(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks)
@@ -870,6 +895,8 @@ def lora_linear(x, weight, adapters=()) -> torch.Tensor:
     `lora_geglu_mlp`)."""
     lora_a, lora_b, scaling, dropout, masks = _adapter_lists(adapters, "lora_linear")
     if not (TRACE_UNDER_COMPILE and torch.compiler.is_compiling()):
+        if torch.compiler.is_compiling():
+            _warn_opaque_under_compile()
         return torch.ops.g4ops.lora_linear(x, weight, lora_a, lora_b, scaling, dropout, masks)
     _check_linear_traced(x, weight, lora_a, lora_b, scaling, dropout, masks)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *lora_a, *lora_b)):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
+import warnings
 
 import pytest
 import torch
@@ -656,6 +657,49 @@ def test_compiled_fullgraph_has_no_graph_breaks_and_matches_eager(device):
     for name, g in eager[2].items():
         p = dict(model.named_parameters())[name]
         assert O.rel_err(p.grad, g) <= _fp32_tol(TOKENS[0] * TOKENS[1]), name
+
+
+_DEFAULT_TRACE = lora.TRACE_UNDER_COMPILE
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["opaque", "traced"])
+def test_opaque_lora_ops_inside_torch_compile_warn_once(traced, monkeypatch):
+    """Where the traced path is off (lora.TRACE_UNDER_COMPILE: torch < 2.13 by default), a compiled graph calls the
+    LoRA ops opaquely, and each call costs host time on every step of a default-mode compile: the trace says so,
+    once, and stays one graph (the warning runs while tracing, not in the graph). The traced path says nothing."""
+    if traced and not _DEFAULT_TRACE:
+        pytest.skip("the traced path is off on this torch (tests/test_lora_compile.py tests it with G4OPS_LORA_TRACE=1)")
+    monkeypatch.setattr(lora, "TRACE_UNDER_COMPILE", traced)
+    monkeypatch.setattr(lora, "_opaque_warned", False)
+    base = build_model("tiny-e4b", num_layers=2)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    model = peft.get_peft_model(base, config).train()
+    ids = torch.randint(3, base.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+    graphs = []
+
+    def recorder(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        with g4ops.enable(base), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = torch.compile(model, backend=recorder, fullgraph=True)
+            for _ in range(2):
+                compiled(ids, labels=ids).loss.backward()
+    finally:
+        torch._dynamo.reset()
+    opaque = [w for w in caught if "calls g4ops' LoRA ops opaquely" in str(w.message)]
+    code = "".join(g.code for g in graphs)
+    assert len(graphs) == 1  # fullgraph: a break would have raised; one compile for both steps
+    if traced:
+        assert not opaque and "lora_geglu_mlp" not in code and "lora_linear" not in code
+    else:
+        assert len(opaque) == 1, [str(w.message) for w in caught]
+        assert "reduce-overhead" in str(opaque[0].message)
+        assert "lora_geglu_mlp" in code and "lora_linear" in code  # both ops sit in the graph, opaque
 
 
 # ----------------------------------------------------------------------------------------------------------------
