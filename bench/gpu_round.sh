@@ -12,7 +12,7 @@
 #   E2E_PARALLEL=1 STAGES="build e2e-each" ...        # the same, compiled side by side and timed one at a time
 #   E2E_PARALLEL=1 STAGES="build e2e-each" E2E_VARIANTS="g4ops-compile stock-compile" E2E_AFTER_VARIANTS=liger \
 #     E2E_LAYOUTS="packed padded" E2E_ARGS="--parts train --seqs 2048 --g4ops-attention --optimizers none --lora 16" \
-#     bash bench/gpu_round.sh                         # two layouts in one call (H200: about 112 GiB of peaks)
+#     bash bench/gpu_round.sh                         # two layouts in one call (an H200 only: 105 GiB of peaks)
 # Wheels in .whl/ (ignored: carry it) or .wheels/ are installed into /tmp/site first: the GPU image lacks
 # Liger-Kernel and the serve stack (FastAPI, Starlette, uvicorn, pydantic, openai).
 # The kernel build takes 70-90 s on each fresh machine. SAVE_BUILD=1 copies the built library to $OUT, gzipped (the
@@ -101,7 +101,8 @@ has e2e && stage e2e "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e.jso
 # (bench/e2e.py's TimingTurns), so a call pays the longest compile instead of the sum; their models must fit on the
 # GPU together, and each E2E_TIMEOUT then covers the wait for the others' turns. E2E_AFTER_VARIANTS run afterwards,
 # one process at a time: eager Liger compiles nothing, so it gains nothing from overlapping and its peak would add to
-# the others' (on an H200 two layouts of g4ops and stock compile LoRA fit side by side, about 112 GiB of peaks).
+# the others' (two layouts of g4ops and stock compile LoRA side by side: peaks of 21.5 + 23.2 + 28.6 + 31.8 = 105 GiB,
+# session 36; an H200 only).
 if has e2e-each && [ -n "${E2E_VARIANTS:-}${E2E_AFTER_VARIANTS:-}" ]; then
   layouts=${E2E_LAYOUTS:-"-"}  # "-": E2E_ARGS' own layout
   n_parallel=$(( $(wc -w <<< "${E2E_VARIANTS:-}") * $(wc -w <<< "$layouts") ))
