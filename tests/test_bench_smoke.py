@@ -196,6 +196,35 @@ def test_e2e_timing_turns_time_side_by_side_processes_one_at_a_time(tmp_path):
     assert first_to <= second_from, windows
 
 
+def test_gpu_round_e2e_each_runs_every_layout_and_the_after_variants_last(tmp_path):
+    """gpu_round.sh's e2e-each with E2E_LAYOUTS and E2E_AFTER_VARIANTS (how session 36 took two layouts' compared
+    rows in one call): one process and file per variant and layout; the E2E_VARIANTS processes time in turns, the
+    after-variants run alone once they have exited; one merged table holds every row."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OUT=str(out), PY=sys.executable,
+               STAGES="e2e-each", E2E_PARALLEL="1", E2E_VARIANTS="stock", E2E_AFTER_VARIANTS="g4ops",
+               E2E_LAYOUTS="packed padded", E2E_REFERENCE="stock",
+               E2E_ARGS="--device cpu --shape tiny-e4b --dtype fp32 --seqs 32 --parts train --lora 2 --optimizers none "
+                        "--warmup-steps 1 --steps 1")  # fmt: skip
+    proc = subprocess.run(["bash", "bench/gpu_round.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = {}
+    for layout in ("packed", "padded"):
+        for variant in ("stock", "g4ops"):
+            (row,) = json.loads((out / f"e2e-{layout}-{variant}.json").read_text())["train"]
+            assert row["layout"] == layout and row["variant"] == variant and "error" not in row, row
+            rows[layout, variant] = row
+    for layout in ("packed", "padded"):
+        assert rows[layout, "stock"]["timing_turn"]["parties"] == 2  # the two parallel processes, one per layout
+        assert "timing_turn" not in rows[layout, "g4ops"]
+    parallel_end = max(rows[layout, "stock"]["timed_to"] for layout in ("packed", "padded"))
+    assert all(rows[layout, "g4ops"]["timed_from"] >= parallel_end for layout in ("packed", "padded"))
+    table = (out / "e2e-table.md").read_text()
+    for layout in ("packed", "padded"):
+        assert f"| g4ops | 32 | {layout} | 26 | 2 | none |" in table and f"| stock | 32 | {layout} |" in table, table
+
+
 def test_e2e_decode_variants_in_their_own_processes(tmp_path):
     """--decode-processes each (the CUDA default): one child process per variant, rows merged and compared."""
     out = tmp_path / "e2e.json"
