@@ -720,8 +720,9 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
     groups = (gate_adapters, up_adapters, down_adapters)
     lora_a, lora_b, scaling, dropout, masks = _adapter_lists([e for group in groups for e in group], "lora_geglu_mlp")
     counts = [len(g) for g in groups]
-    if not (TRACE_UNDER_COMPILE and torch.compiler.is_compiling()):
-        if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not (TRACE_UNDER_COMPILE and compiling):
+        if compiling:
             _warn_opaque_under_compile()
         return torch.ops.g4ops.lora_geglu_mlp(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks)
     # inside an outer compile: the math into its graph, no per-call host cost (module docstring)
@@ -894,8 +895,9 @@ def lora_linear(x, weight, adapters=()) -> torch.Tensor:
     `g4ops::lora_linear`; inside an outer torch.compile trace: its math, traced into the caller's graph (as
     `lora_geglu_mlp`)."""
     lora_a, lora_b, scaling, dropout, masks = _adapter_lists(adapters, "lora_linear")
-    if not (TRACE_UNDER_COMPILE and torch.compiler.is_compiling()):
-        if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not (TRACE_UNDER_COMPILE and compiling):
+        if compiling:
             _warn_opaque_under_compile()
         return torch.ops.g4ops.lora_linear(x, weight, lora_a, lora_b, scaling, dropout, masks)
     _check_linear_traced(x, weight, lora_a, lora_b, scaling, dropout, masks)
