@@ -51,10 +51,40 @@ def _op_table(prof, top: int):
     return [(e.key, str(e.input_shapes)[:120], e.count, e.self_device_time_total) for e in events[:top]]
 
 
+def _syncs(fn) -> list:
+    """The host-device syncs one step makes (torch.cuda's sync debug mode warns at each): each stalls the host until
+    the GPU has caught up, so a step with syncs per layer is neither host- nor GPU-bound but their sum."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return [f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno} {str(w.message)[:120]}" for w in caught
+            if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]  # fmt: skip
+
+
+def _dynamo_counters() -> dict:
+    """Graph breaks and compiled frames since the case began (`_profile` clears the counters): a break per layer
+    puts Python between every layer's graphs on every step."""
+    from torch._dynamo.utils import counters
+
+    return dict(graph_breaks={k[:120]: v for k, v in counters["graph_break"].items()},
+                frames=dict(counters["frames"]), recompiles=dict(counters.get("recompiles", {})))
+
+
 def _profile(fn, steps: int, top: int, host_top: int = 0, op_top: int = 0):
     """Wall time per step from unprofiled steps (the CPU-side profiler inflates host-bound steps 2-3x), the kernel
     table from CUDA-only profiling, with `host_top` the Python functions with the most own time (cProfile), and with
     `op_top` the ATen ops with the most GPU time, by input shape (one step profiled with CPU activity)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # torch._dynamo.reset() keeps them: this case's graph breaks and frames only
     fn()  # warm-up (compilation, autotuning, CUDA-graph recording)
     fn()
     torch.cuda.synchronize()
@@ -75,7 +105,7 @@ def _profile(fn, steps: int, top: int, host_top: int = 0, op_top: int = 0):
         torch.cuda.synchronize()
     busy_us, launches, rows = _kernel_table(prof, steps, top)
     result = dict(wall_us=wall_us, wall_synced_us=sorted(synced)[steps // 2] * 1e6, gpu_busy_us=busy_us,
-                  launches=launches, top=rows)
+                  launches=launches, top=rows, syncs=_syncs(fn), dynamo=_dynamo_counters())
     if op_top:
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
@@ -162,6 +192,8 @@ def main():
     parser.add_argument("--lora", type=int, default=0, metavar="R",
                         help="train: peft LoRA of rank R on every projection (bench/e2e.py's setup), both variants")
     parser.add_argument("--attention", action="store_true", help="g4ops variant: enable(model, attention=True)")
+    parser.add_argument("--lora-attention", choices=["g4ops", "peft"], default="g4ops",
+                        help="with --lora, g4ops variant: attention projections on g4ops.lora_linear or peft's forward")
     add_sliding_arg(parser)
     parser.add_argument("--layout", choices=["single", "padded", "packed"], default="single",
                         help="train: bench/e2e.py's batch layouts (padded, packed: 4 sequences in --tokens)")
@@ -196,7 +228,7 @@ def main():
             trained = model
             if args.lora:
                 trained = lora_model(model, args.lora)
-                if variant == "g4ops":
+                if variant == "g4ops" and args.lora_attention == "g4ops":
                     g4ops.enable(trained)  # after peft: routes the attention projections to g4ops.lora_linear
             trained.train()
             lora = f" lora r{args.lora}" if args.lora else ""
@@ -217,7 +249,10 @@ def main():
     for name, r in results.items():
         synced = f" ({r['wall_synced_us']:.0f} synced)" if "wall_synced_us" in r else ""
         print(f"\n== {name}: wall {r['wall_us']:.0f} us{synced}, GPU busy {r['gpu_busy_us']:.0f} us, "
-              f"{r['launches']:.0f} kernel launches")
+              f"{r['launches']:.0f} kernel launches, {len(r['syncs'])} host syncs in a step, "
+              f"{sum(r['dynamo']['graph_breaks'].values())} graph breaks, frames {r['dynamo']['frames']}")
+        for message in sorted(set(r["syncs"]))[:5]:
+            print(f"   sync: {message}")
         for key, count, us in r["top"]:
             print(f"   {us:9.1f} us  x{count:6.1f}  {key}")
         for key, calls, own_us, cum_us in r.get("host_top", []):

@@ -44,7 +44,8 @@ rounds once (`_plus_low_rank`). y then has peft's roundings; in dz the base GEMM
 the adapters' terms are added, as peft does (the path without split sums them in fp32), and dh reaches the GeGLU
 backward in bf16, as peft's does.
 
-Inside an outer torch.compile (`torch.compiler.is_compiling()` in `lora_geglu_mlp`) there is no opaque op: the
+Inside an outer torch.compile (`torch.compiler.is_compiling()` in `lora_geglu_mlp`) that does not replay CUDA
+graphs there is no opaque op (below: when, and the measurements): the
 same two math functions run as a torch.autograd.Function (`_TracedLoraGeglu`, the op's formula without its ops),
 which Dynamo traces, forward and backward, into the caller's graph, and Inductor fuses across the MLP as it does
 across peft's stock forward. The op's input checks run while tracing, on the trace's fake tensors (`_check_traced`),
@@ -56,17 +57,20 @@ bf16 MLP with fp32 adapters it kept fp32 copies of x and h, as peft's autograd d
 from the trace of the same `native_dropout` calls, so from the backend's generator: aot_eager runs ATen's (a seeded
 step draws peft's masks), Inductor its own (the masks compiled stock peft draws with the same seed, not eager mode's,
 unless `torch._inductor.config.fallback_random`).
-That traced path is on by default where it was tested: torch >= 2.13 (CPU, 2026-12-01). Under torch 2.11 every
-gradient came back all zeros (pytorch issue 180642: the output's gradient routed to another slot), until the
-traced forward returned a fresh tensor (2026-12-02: `G4OPS_LORA_TRACE=1 bash .ci/gpu-image-stack
-tests/test_lora_compile.py` passes on CPU). It stays off by default below 2.13, where a compiled model calls the op:
-timed on the H200 under torch 2.11 (2026-12-03, 42 layers, 2048 tokens, r=16), the traced step ran 8119 tok/s after
-a 300 s first step, the op's 12424 (bench/results/2026-12-03-h200-session19.md). `G4OPS_LORA_TRACE=1` turns the
-traced path on, `=0` off. Where it is off, the first trace that puts an op into a compiled graph warns once
-(`_warn_opaque_under_compile`): in the default compile mode every call costs host time on every step, and a 42-layer
-LoRA step ran at 0.50x (packed) and 0.58x (padded) of stock compile's speed (H100, torch 2.11, 2026-12-06); replayed
-from CUDA graphs (mode="reduce-overhead") the same steps ran at 1.34x and 1.14x of stock's default-mode rows
-(bench/results/2026-12-06-h100-session36.md).
+Where the traced path is on (`TRACE_UNDER_COMPILE`: torch >= 2.11, where it was tested; `G4OPS_LORA_TRACE=1` turns
+it on anywhere, `=0` off) it is taken unless the outer compile replays CUDA graphs (mode="reduce-overhead", or
+triton.cudagraphs asked for another way: `_outer_compile_replays_graphs` reads the compile being traced): there the
+graph calls the op, whose own graphed step is faster. Both measured on an H100 (torch 2.11, 42 layers, r=16, 2048
+tokens, g4ops attention, 2026-12-06, bench/results/2026-12-06-h100-session37.md):
+- default mode: traced 13276 tok/s, 24.7 GiB, stock compile 8902 and 32.1 GiB in the same call. The op's per-call
+  host cost, 132 attention projections and 42 MLPs, made that step host-bound (a 6-layer step: 63.3 ms of wall time
+  against 28.6 ms of GPU work; traced 30.1 against 28.3); packed 4 x 512 ran at 4441 tok/s with the op, 9148 traced.
+- graphed: the op 17890 tok/s (session 32, with G4OPS_LORA_SPLIT=1), traced 13669.
+Under torch 2.11 every traced gradient once came back all zeros (pytorch issue 180642) until the traced forward
+returned a fresh tensor. Session 19 (H200, 2026-12-03, older code, attention projections on peft) timed the traced
+default-mode step at 8119 tok/s against the op's 12424 and kept the path off below torch 2.13; what made the
+difference since was not measured. A trace that calls the op outside CUDA graphs (the traced path off) warns once
+(`_trace_in_this_compile`).
 
 Not implemented, so peft's own forward runs and `geglu_mlp` below says why once at INFO on the "g4ops" logger:
 LoRA variants (DoRA, aLoRA, ... anything in peft's `lora_variant`), `lora_bias`, a dropout module other than a
@@ -507,28 +511,54 @@ def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lo
 # G4OPS_LORA_COMPILE=0 keeps the CUDA kernels eager, =1 compiles on every device (a CPU test uses that); a failed
 # compilation warns once and runs eagerly from then on, a signature past Dynamo's recompile limit alone (_fused.py).
 _LORA_COMPILE = os.environ.get("G4OPS_LORA_COMPILE")
-# whether an outer torch.compile traces the math instead of calling the op (module docstring: tested torch only)
-TRACE_UNDER_COMPILE = {"1": True, "0": False}.get(os.environ.get("G4OPS_LORA_TRACE", ""), torch_version() >= (2, 13))
+# Inside an outer torch.compile: trace the math into its graph, or call the opaque op (module docstring, "Inside an
+# outer torch.compile"). G4OPS_LORA_TRACE=1 always traces, =0 never; unset, the math is traced on torch >= 2.11
+# unless that compile replays CUDA graphs, where the op's own graphed step is faster.
+_TRACE_SETTING = {"1": True, "0": False}.get(os.environ.get("G4OPS_LORA_TRACE", ""))
+TRACE_UNDER_COMPILE = _TRACE_SETTING if _TRACE_SETTING is not None else torch_version() >= (2, 11)
+TRACE_WHEN_GRAPHED = _TRACE_SETTING is True
 _compiled: dict = {}
 _compile_failed: list = []
 _opaque_warned = False
 
 
+def _outer_compile_replays_graphs() -> bool:
+    """Whether the torch.compile being traced now replays CUDA graphs: Inductor with triton.cudagraphs (what
+    mode="reduce-overhead" and "max-autotune" set, as options or in the global config) or the "cudagraphs" backend.
+    Read from Dynamo's tracing state, a private API (torch 2.11 and 2.13 tested): where it cannot be read, False."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        backend = InstructionTranslator.current_tx().output.compiler_fn
+    except Exception:  # noqa: BLE001 - another torch's internals: treat as not graphed (the traced path)
+        return False
+    backend = getattr(backend, "_torchdynamo_orig_backend", backend)  # torch.compile's wrapper of the backend
+    options = getattr(backend, "config", None)
+    if isinstance(options, dict):  # Inductor: its mode's and options' settings, over the global config
+        import torch._inductor.config as inductor_config
+
+        return bool(options.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
+    return getattr(backend, "compiler_name", None) == "cudagraphs"
+
+
 @torch.compiler.assume_constant_result  # run once while tracing, a constant in the graph: no graph break
-def _warn_opaque_under_compile() -> bool:
-    """Say once that an outer torch.compile calls the LoRA ops opaquely (TRACE_UNDER_COMPILE off): each call then
-    costs host time on every step, unless the compiled model replays CUDA graphs."""
+def _trace_in_this_compile() -> bool:
+    """Whether this trace runs the LoRA math in its graph (True) or calls the ops (False). Where it calls them
+    outside CUDA graphs, it says once that each call then costs host time on every step."""
     global _opaque_warned
-    if not _opaque_warned:
+    graphed = _outer_compile_replays_graphs()
+    if TRACE_UNDER_COMPILE and (TRACE_WHEN_GRAPHED or not graphed):
+        return True
+    if not graphed and not _opaque_warned:
         _opaque_warned = True
         warnings.warn(
-            f"g4ops: this torch.compile graph calls g4ops' LoRA ops opaquely (g4ops.lora.TRACE_UNDER_COMPILE is off "
-            f"on torch {torch.__version__}; G4OPS_LORA_TRACE): each call costs host time on every step unless the "
-            "model is compiled with mode='reduce-overhead' (CUDA graphs). In the default mode a 42-layer LoRA step "
-            "ran at about half of stock torch.compile's speed (bench/results/2026-12-06-h100-session36.md)",
+            "g4ops: this torch.compile graph calls g4ops' LoRA ops opaquely (g4ops.lora.TRACE_UNDER_COMPILE is off: "
+            f"G4OPS_LORA_TRACE=0, or torch {torch.__version__} < 2.11): each call costs host time on every step "
+            "unless the model is compiled with mode='reduce-overhead' (CUDA graphs). In the default mode a 42-layer "
+            "LoRA step ran at about half of stock torch.compile's speed (bench/results/2026-12-06-h100-session36.md)",
             stacklevel=2,
         )
-    return True
+    return False
 
 
 def _fused(fn, *args):
@@ -720,10 +750,7 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
     groups = (gate_adapters, up_adapters, down_adapters)
     lora_a, lora_b, scaling, dropout, masks = _adapter_lists([e for group in groups for e in group], "lora_geglu_mlp")
     counts = [len(g) for g in groups]
-    compiling = torch.compiler.is_compiling()
-    if not (TRACE_UNDER_COMPILE and compiling):
-        if compiling:
-            _warn_opaque_under_compile()
+    if not (torch.compiler.is_compiling() and _trace_in_this_compile()):
         return torch.ops.g4ops.lora_geglu_mlp(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks)
     # inside an outer compile: the math into its graph, no per-call host cost (module docstring)
     _check_traced(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks)
@@ -895,10 +922,7 @@ def lora_linear(x, weight, adapters=()) -> torch.Tensor:
     `g4ops::lora_linear`; inside an outer torch.compile trace: its math, traced into the caller's graph (as
     `lora_geglu_mlp`)."""
     lora_a, lora_b, scaling, dropout, masks = _adapter_lists(adapters, "lora_linear")
-    compiling = torch.compiler.is_compiling()
-    if not (TRACE_UNDER_COMPILE and compiling):
-        if compiling:
-            _warn_opaque_under_compile()
+    if not (torch.compiler.is_compiling() and _trace_in_this_compile()):
         return torch.ops.g4ops.lora_linear(x, weight, lora_a, lora_b, scaling, dropout, masks)
     _check_linear_traced(x, weight, lora_a, lora_b, scaling, dropout, masks)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *lora_a, *lora_b)):

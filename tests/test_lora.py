@@ -662,14 +662,20 @@ def test_compiled_fullgraph_has_no_graph_breaks_and_matches_eager(device):
 _DEFAULT_TRACE = lora.TRACE_UNDER_COMPILE
 
 
-@pytest.mark.parametrize("traced", [False, True], ids=["opaque", "traced"])
-def test_opaque_lora_ops_inside_torch_compile_warn_once(traced, monkeypatch):
-    """Where the traced path is off (lora.TRACE_UNDER_COMPILE: torch < 2.13 by default), a compiled graph calls the
-    LoRA ops opaquely, and each call costs host time on every step of a default-mode compile: the trace says so,
-    once, and stays one graph (the warning runs while tracing, not in the graph). The traced path says nothing."""
+@pytest.mark.parametrize(
+    "traced, graphed", [(False, False), (True, False), (True, True), (False, True)],
+    ids=["opaque", "traced", "graphed-calls-the-ops", "opaque-graphed"],
+)
+def test_compiled_graph_traces_the_lora_math_unless_graphed_and_warns_once_when_opaque(traced, graphed, monkeypatch):
+    """Inside torch.compile the LoRA math is traced into the graph (TRACE_UNDER_COMPILE), except where the compile
+    replays CUDA graphs: there the graph calls the ops (their graphed step is faster). Where it calls them outside
+    CUDA graphs (the traced path off: torch < 2.11 or G4OPS_LORA_TRACE=0), each call costs host time on every step:
+    the trace says so, once, and stays one graph (the warning runs while tracing, not in the graph)."""
     if traced and not _DEFAULT_TRACE:
         pytest.skip("the traced path is off on this torch (tests/test_lora_compile.py tests it with G4OPS_LORA_TRACE=1)")
     monkeypatch.setattr(lora, "TRACE_UNDER_COMPILE", traced)
+    monkeypatch.setattr(lora, "TRACE_WHEN_GRAPHED", False)
+    monkeypatch.setattr(lora, "_outer_compile_replays_graphs", lambda: graphed)
     monkeypatch.setattr(lora, "_opaque_warned", False)
     base = build_model("tiny-e4b", num_layers=2)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -694,12 +700,44 @@ def test_opaque_lora_ops_inside_torch_compile_warn_once(traced, monkeypatch):
     opaque = [w for w in caught if "calls g4ops' LoRA ops opaquely" in str(w.message)]
     code = "".join(g.code for g in graphs)
     assert len(graphs) == 1  # fullgraph: a break would have raised; one compile for both steps
-    if traced:
-        assert not opaque and "lora_geglu_mlp" not in code and "lora_linear" not in code
+    if traced and not graphed:
+        assert "lora_geglu_mlp" not in code and "lora_linear" not in code
     else:
-        assert len(opaque) == 1, [str(w.message) for w in caught]
-        assert "reduce-overhead" in str(opaque[0].message)
-        assert "lora_geglu_mlp" in code and "lora_linear" in code  # both ops sit in the graph, opaque
+        assert "lora_geglu_mlp" in code and "lora_linear" in code
+    assert len(opaque) == (0 if traced or graphed else 1), [str(w.message) for w in caught]
+    assert all("reduce-overhead" in str(w.message) for w in opaque)
+
+
+_GRAPHED_COMPILES = [
+    ({}, False),
+    ({"mode": "reduce-overhead"}, True),
+    ({"mode": "max-autotune-no-cudagraphs"}, False),
+    ({"options": {"triton.cudagraphs": True}}, True),
+    ({"backend": "cudagraphs"}, True),
+    ({"backend": "aot_eager"}, False),
+]
+
+
+@pytest.mark.parametrize("compile_kwargs, expected", _GRAPHED_COMPILES, ids=lambda v: str(v))
+def test_outer_compile_replays_graphs_reads_the_compile_being_traced(compile_kwargs, expected):
+    """The mode check reads Dynamo's tracing state (a private API): it must tell reduce-overhead (and CUDA graphs
+    asked for any other way) from the default mode on this torch, or the default mode would call the ops."""
+    seen = []
+
+    @torch.compiler.assume_constant_result
+    def probe() -> bool:
+        seen.append(lora._outer_compile_replays_graphs())
+        return True
+
+    def fn(x):
+        return x * 2 if probe() else x
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, **compile_kwargs)(torch.randn(3))
+    finally:
+        torch._dynamo.reset()
+    assert seen == [expected]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.
 peft = pytest.importorskip("peft")
 # the traced path is off on older torch (lora.py's docstring says why); G4OPS_LORA_TRACE=1 runs these tests there
 pytestmark = pytest.mark.skipif(not lora.TRACE_UNDER_COMPILE, reason="g4ops.lora's traced path is off on this torch "
-                                "(tested on >= 2.13; set G4OPS_LORA_TRACE=1 to test it here)")  # fmt: skip
+                                "(tested on >= 2.11; set G4OPS_LORA_TRACE=1 to test it here)")  # fmt: skip
 
 LORA_OPS = ("lora_geglu_mlp", "lora_geglu_mlp_forward", "lora_geglu_mlp_backward")
 
