@@ -746,7 +746,8 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
     """The Gemma-4 MLP with vanilla LoRA adapters on its projections (module docstring): each `*_adapters` is a
     sequence of (A [r, in], B [out, r], scale) or (A, B, scale, dropout p, bool keep-mask of the adapter's input
     shape) in peft's order. Weights in nn.Linear layout, no bias. Eager: the op `g4ops::lora_geglu_mlp`; inside an
-    outer torch.compile trace: its math, traced into the caller's graph."""
+    outer torch.compile trace: its math, traced into the caller's graph, unless that compile replays CUDA graphs
+    (`_trace_in_this_compile`)."""
     groups = (gate_adapters, up_adapters, down_adapters)
     lora_a, lora_b, scaling, dropout, masks = _adapter_lists([e for group in groups for e in group], "lora_geglu_mlp")
     counts = [len(g) for g in groups]
@@ -919,8 +920,8 @@ def _check_linear_traced(x, *args):
 def lora_linear(x, weight, adapters=()) -> torch.Tensor:
     """peft's lora.Linear forward for a bias-free base weight ([out, in]) and its active adapters, each (A [r, in],
     B [out, r], scale) or (A, B, scale, dropout p, bool keep-mask of x's shape) in peft's order. Eager: the op
-    `g4ops::lora_linear`; inside an outer torch.compile trace: its math, traced into the caller's graph (as
-    `lora_geglu_mlp`)."""
+    `g4ops::lora_linear`; inside an outer torch.compile trace: its math, traced into the caller's graph unless
+    that compile replays CUDA graphs (as `lora_geglu_mlp`)."""
     lora_a, lora_b, scaling, dropout, masks = _adapter_lists(adapters, "lora_linear")
     if not (torch.compiler.is_compiling() and _trace_in_this_compile()):
         return torch.ops.g4ops.lora_linear(x, weight, lora_a, lora_b, scaling, dropout, masks)
