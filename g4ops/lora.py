@@ -530,7 +530,11 @@ def _outer_compile_replays_graphs() -> bool:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         backend = InstructionTranslator.current_tx().output.compiler_fn
-    except Exception:  # noqa: BLE001 - another torch's internals: treat as not graphed (the traced path)
+    except Exception as exc:  # noqa: BLE001 - another torch's internals: treat as not graphed (the traced path)
+        if "graphed-unknown" not in _logged:
+            _logged.add("graphed-unknown")
+            logger.info("g4ops: cannot tell whether this torch.compile replays CUDA graphs (%r); tracing the LoRA "
+                        "math into its graph (under CUDA graphs the ops' own step is faster)", exc)  # fmt: skip
         return False
     backend = getattr(backend, "_torchdynamo_orig_backend", backend)  # torch.compile's wrapper of the backend
     options = getattr(backend, "config", None)

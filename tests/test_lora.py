@@ -740,6 +740,23 @@ def test_outer_compile_replays_graphs_reads_the_compile_being_traced(compile_kwa
     assert seen == [expected]
 
 
+def test_outer_compile_replays_graphs_says_when_it_cannot_tell(monkeypatch, caplog):
+    """On a torch whose tracing state reads differently, the check answers "not graphed" (the traced path, the
+    default mode's faster one) and says so once, not silently."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    def unreadable():
+        raise AttributeError("no current_tx here")
+
+    monkeypatch.setattr(InstructionTranslator, "current_tx", staticmethod(unreadable))
+    monkeypatch.setattr(lora, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="g4ops"):
+        assert lora._outer_compile_replays_graphs() is False
+        assert lora._outer_compile_replays_graphs() is False
+    said = [r for r in caplog.records if "cannot tell whether this torch.compile replays CUDA graphs" in r.message]
+    assert len(said) == 1 and "no current_tx here" in said[0].message
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The whole tiny model: LoRA on every projection, attention's included
 
