@@ -3,7 +3,10 @@
 Prints, per case: wall time per step (steps back to back; and the median of steps each synced, as bench/e2e.py
 times them), GPU busy time per step (sum of kernel times), kernel launches per step, and the top kernels by total
 time. Wall (timed without the profiler) >> GPU busy means the host (Python, launches, syncs) is the bottleneck;
-synced wall >> wall means host work before a step's first kernel, which back-to-back steps hide.
+synced wall >> wall means host work before a step's first kernel, which back-to-back steps hide. Each case also
+counts the host-device syncs of one step (torch.cuda's sync debug mode) and Dynamo's graph breaks and frames, which
+tell those causes apart: on an H100 a 6-layer LoRA step with the ops called in the default compile mode had neither,
+so its 63 ms against 29 ms of GPU work were the ops' per-call host cost (bench/results/2026-12-06-h100-session37.md).
 
     python bench/profile_steps.py --layers 12 --parts decode,train --json $OUT/profile.json
     python bench/profile_steps.py --layers 12 --parts graph --batches 1,4   # g4ops.engine.decoder.Decoder's step
@@ -11,6 +14,8 @@ synced wall >> wall means host work before a step's first kernel, which back-to-
                                   # a LoRA finetune step: is it host-bound (wall >> GPU busy)?
     python bench/profile_steps.py --layers 4 --parts train --lora 16 --attention --layout packed
     python bench/profile_steps.py --layers 6 --parts train --lora 16 --attention --layout packed --sliding flex-masked
+    python bench/profile_steps.py --layers 6 --parts train --lora 16 --attention --train-modes compiled \
+                                  --variants g4ops --lora-attention peft     # attention projections on peft
 
 `graph`: the compiled step of the CUDA-graphed decoder. Its wall time per token is measured on graph replays
 (`generate`, no profiler); the kernel table comes from the same compiled step run without the graph, so it lists

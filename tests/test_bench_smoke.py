@@ -506,3 +506,26 @@ def test_profile_steps_op_table_names_the_launching_op_and_its_shapes(monkeypatc
     assert all(us > 0 for *_, us in rows), rows
     assert any(key == "aten::mm" and "[257, 129]" in shapes and "[129, 65]" in shapes for key, shapes, *_ in rows), rows
     assert any(key == "aten::add_" and "[257, 65]" in shapes for key, shapes, *_ in rows), rows
+
+
+def test_profile_steps_census_counts_this_cases_graph_breaks_only(monkeypatch):
+    """`profile_steps.py`'s census: a step with a graph break per call shows it, and a case starts from zero
+    (torch._dynamo.reset() keeps the counters; `_profile` clears them)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import profile_steps
+    from torch._dynamo.utils import counters
+
+    def broken(x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(broken, backend="eager")(torch.randn(3))
+    census = profile_steps._dynamo_counters()
+    assert sum(census["graph_breaks"].values()) == 1, census
+    assert census["frames"].get("ok", 0) >= 2, census  # the frame before the break and its resume function
+    counters.clear()
+    assert sum(profile_steps._dynamo_counters()["graph_breaks"].values()) == 0
+    torch._dynamo.reset()
