@@ -65,7 +65,8 @@ tokens, g4ops attention, 2026-12-06, bench/results/2026-12-06-h100-session37.md)
 - default mode: traced 13276 tok/s, 24.7 GiB, stock compile 8902 and 32.1 GiB in the same call. The op's per-call
   host cost, 132 attention projections and 42 MLPs, made that step host-bound (a 6-layer step: 63.3 ms of wall time
   against 28.6 ms of GPU work; traced 30.1 against 28.3); packed 4 x 512 ran at 4441 tok/s with the op, 9148 traced.
-- graphed: the op 17890 tok/s (session 32, with G4OPS_LORA_SPLIT=1), traced 13669.
+- graphed: the op 17890 tok/s (session 32, with G4OPS_LORA_SPLIT=1), traced 13669 (without it; traced with it,
+  graphed, not yet timed).
 Under torch 2.11 every traced gradient once came back all zeros (pytorch issue 180642) until the traced forward
 returned a fresh tensor. Session 19 (H200, 2026-12-03, older code, attention projections on peft) timed the traced
 default-mode step at 8119 tok/s against the op's 12424 and kept the path off below torch 2.13; what made the
