@@ -27,8 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import warnings
 
 import torch
+from torch._dynamo.utils import counters
 
 import g4ops
 # bench/ is on sys.path when this script runs
@@ -59,8 +61,6 @@ def _op_table(prof, top: int):
 def _syncs(fn) -> list:
     """The host-device syncs one step makes (torch.cuda's sync debug mode warns at each): each stalls the host until
     the GPU has caught up, so a step with syncs per layer is neither host- nor GPU-bound but their sum."""
-    import warnings
-
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -77,8 +77,6 @@ def _syncs(fn) -> list:
 def _dynamo_counters() -> dict:
     """Graph breaks and compiled frames since the case began (`_profile` clears the counters): a break per layer
     puts Python between every layer's graphs on every step."""
-    from torch._dynamo.utils import counters
-
     return dict(graph_breaks={k[:120]: v for k, v in counters["graph_break"].items()},
                 frames=dict(counters["frames"]), recompiles=dict(counters.get("recompiles", {})))
 
@@ -87,8 +85,6 @@ def _profile(fn, steps: int, top: int, host_top: int = 0, op_top: int = 0):
     """Wall time per step from unprofiled steps (the CPU-side profiler inflates host-bound steps 2-3x), the kernel
     table from CUDA-only profiling, with `host_top` the Python functions with the most own time (cProfile), and with
     `op_top` the ATen ops with the most GPU time, by input shape (one step profiled with CPU activity)."""
-    from torch._dynamo.utils import counters
-
     counters.clear()  # torch._dynamo.reset() keeps them: this case's graph breaks and frames only
     fn()  # warm-up (compilation, autotuning, CUDA-graph recording)
     fn()
