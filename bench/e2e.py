@@ -79,6 +79,9 @@ here); otherwise its rows say why they are missing.
 bench/gpu_round.sh's `e2e-each` stage writes them, each variant in its own process of one call), into one table with
 each row's tok/s and first loss against the `--merge-reference` variant's row of the same workload (default
 stock-compile). Files from different GPUs or torch/transformers versions are refused: ratios compare within one call.
+g4ops' switches are environment variables (G4OPS_LORA_SPLIT=1, G4OPS_LORA_COMPILE=0, ...): the file's meta records
+the ones set (`g4ops_env`), and so does each g4ops row, which the tables then label (`g4ops [G4OPS_LORA_SPLIT=1]`);
+so one call can compare g4ops under two settings, one process each.
 `--timing-turns DIR` lets such processes start side by side: they compile together and time one at a time
 (`TimingTurns`), so a call pays the longest 42-layer compile instead of their sum.
 
@@ -478,6 +481,8 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
     rows = []
     use_g4ops = variant.startswith("g4ops")
     common = dict(part="train", variant=variant, seq=seq, layout=args.layout, real_tokens=real_tokens)
+    if use_g4ops and g4ops_switches():
+        common["g4ops_env"] = g4ops_switches()
     try:
         with g4ops_on(use_g4ops):
             state["model"] = model = model_for(args).train()
@@ -827,6 +832,8 @@ def fmt(v):
         return "-"
     if isinstance(v, float):
         return f"{v:.4g}" if not math.isnan(v) else "nan"
+    if isinstance(v, dict):  # g4ops_env: one word, as print_row's key=value fields are
+        return ",".join(f"{k}={x}" for k, x in v.items())
     return str(v)
 
 
@@ -837,8 +844,8 @@ def write_json(args, results):
 
 
 def print_row(row):
-    keys = ("part", "variant", "batch", "seq", "layout", "real_tokens", "lora_r", "autocast", "compile_mode",
-            "optimizer", "tok_s", "back_to_back_tok_s", "peak_gib", "speedup_vs_stock", "first_loss",
+    keys = ("part", "variant", "g4ops_env", "batch", "seq", "layout", "real_tokens", "lora_r", "autocast",
+            "compile_mode", "optimizer", "tok_s", "back_to_back_tok_s", "peak_gib", "speedup_vs_stock", "first_loss",
             "loss_matches_stock", "first_step_s", "cudagraph_skips", "warmup_s", "first_fast_token",
             "first_fast_token_since_process_start_s", "error")
     print("  ".join(f"{k}={fmt(row[k])}" for k in keys if k in row), flush=True)
@@ -856,7 +863,7 @@ def print_table(results):
     if results.get("train"):
         print(f"{'train':<16}{'seq':>6}{'optim':>13}{'tok/s':>10}{'x stock':>9}{'peak GiB':>10}{'loss':>9}  ok")
         for r in results["train"]:
-            print(f"{r['variant']:<16}{r['seq']:>6}{r.get('optimizer', '-'):>13}{fmt(r.get('tok_s')):>10}"
+            print(f"{variant_label(r):<16}{r['seq']:>6}{r.get('optimizer', '-'):>13}{fmt(r.get('tok_s')):>10}"
                   f"{fmt(r.get('speedup_vs_stock')):>9}{fmt(r.get('peak_gib')):>10}{fmt(r.get('first_loss')):>9}  "
                   f"{fmt(r.get('loss_matches_stock'))} {r.get('error', '')}")
     if results.get("parity"):
@@ -890,7 +897,7 @@ def merge_train(paths: list[str], reference: str, loss_tol: float) -> dict:
         row[f"speedup_vs_{reference}"] = row["tok_s"] / ref["tok_s"]
         row[f"loss_matches_{reference}"] = loss_matches(row["first_loss"], ref["first_loss"], loss_tol)
     dates = sorted(f["meta"]["date"] for f in files)
-    merged_meta = {k: v for k, v in files[0]["meta"].items() if k not in ("date", "args")}
+    merged_meta = {k: v for k, v in files[0]["meta"].items() if k not in ("date", "args", "g4ops_env")}
     merged_meta.update(dates=[dates[0], dates[-1]], merged=[Path(p).name for p in paths], reference=reference)
     return {"meta": merged_meta, "train": rows}
 
@@ -902,7 +909,7 @@ def print_merged(results: dict) -> None:
           f"first step s | loss matches {reference} | error |")
     print("|---|---:|---|---:|---:|---|---:|---:|---:|---:|---|---|")
     for r in results["train"]:
-        cells = (r["variant"] + (f" ({r['compile_mode']})" if r.get("compile_mode") else ""), r.get("seq"),
+        cells = (variant_label(r), r.get("seq"),
                  r.get("layout"), r.get("real_tokens"), r.get("lora_r"), r.get("optimizer"), r.get("tok_s"),
                  r.get(f"speedup_vs_{reference}"), r.get("peak_gib"), r.get("first_step_s"),
                  r.get(f"loss_matches_{reference}"), r.get("error", ""))  # fmt: skip
@@ -912,10 +919,25 @@ def print_merged(results: dict) -> None:
               "load)")
 
 
+def g4ops_switches() -> dict:
+    """The G4OPS_* environment variables of this process. g4ops reads its switches from the environment
+    (G4OPS_LORA_SPLIT, G4OPS_LORA_TRACE, G4OPS_LORA_COMPILE, ...), so a g4ops row taken under one is another
+    configuration: its row and the file's meta name them, and the tables label the variant with them."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("G4OPS_")}
+
+
+def variant_label(row: dict) -> str:
+    """A row's variant as the tables print it: with its compile mode and the g4ops switches it ran under."""
+    label = row["variant"] + (f" ({row['compile_mode']})" if row.get("compile_mode") else "")
+    switches = row.get("g4ops_env") or {}
+    return label + (" [" + " ".join(f"{k}={v}" for k, v in switches.items()) + "]" if switches else "")
+
+
 def meta(args):
     info = dict(
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), python=platform.python_version(),
         torch=torch.__version__, args={k: v for k, v in vars(args).items() if k != "turns"},
+        g4ops_env=g4ops_switches(),
     )  # no kernel status here: taken before any row loads the kernels, it read "not attempted"; train rows record
     # `g4ops_kernels_loaded` after their steps
     try:

@@ -17,8 +17,8 @@ from g4ops._torch_version import torch_version
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(args, tmp_path, timeout=240):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+def _run(args, tmp_path, timeout=240, env=None):
+    env = dict(os.environ if env is None else env, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -145,23 +145,30 @@ def test_e2e_train_padded_and_packed_layouts(tmp_path):
 
 def test_e2e_merge_joins_one_variant_per_file(tmp_path):
     """--merge (gpu_round.sh's e2e-each table): rows of single-variant files, each written by its own process, are
-    compared with the reference variant's row of the same workload; files of another machine are refused."""
+    compared with the reference variant's row of the same workload; a g4ops row taken under a G4OPS_* switch says
+    so in its row and the table (the switches change what g4ops runs); files of another machine are refused."""
     paths = []
-    for variant in ("stock", "g4ops"):
-        paths.append(tmp_path / f"e2e-{variant}.json")
+    for name, variant, switches in (("stock", "stock", {}), ("g4ops", "g4ops", {}),
+                                    ("g4ops-inner-eager", "g4ops", {"G4OPS_LORA_COMPILE": "0"})):  # fmt: skip
+        paths.append(tmp_path / f"e2e-{name}.json")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("G4OPS_")} | switches
         _run(["bench/e2e.py", "--device", "cpu", "--shape", "tiny-e4b", "--dtype", "fp32", "--seqs", "32", "--parts",
               "train", "--layout", "packed", "--lora", "2", "--optimizers", "none", "--warmup-steps", "1", "--steps",
-              "1", "--variants", variant, "--json", str(paths[-1])], tmp_path)  # fmt: skip
+              "1", "--variants", variant, "--json", str(paths[-1])], tmp_path, env=env)  # fmt: skip
+        assert json.loads(paths[-1].read_text())["meta"]["g4ops_env"] == switches
     merged = tmp_path / "merged.json"
     proc = _run(["bench/e2e.py", "--merge", *map(str, paths), "--merge-reference", "stock", "--json", str(merged)],
                 tmp_path)  # fmt: skip
     result = json.loads(merged.read_text())
-    rows = {r["variant"]: r for r in result["train"]}
-    assert set(rows) == {"stock", "g4ops"} and rows["g4ops"]["source"] == "e2e-g4ops.json"
-    g4 = rows["g4ops"]
-    assert g4["speedup_vs_stock"] == g4["tok_s"] / rows["stock"]["tok_s"] and g4["loss_matches_stock"] is True
-    assert "speedup_vs_stock" not in rows["stock"]
+    rows = {r["source"]: r for r in result["train"]}
+    assert [r["variant"] for r in rows.values()] == ["stock", "g4ops", "g4ops"]
+    stock, g4, inner_eager = rows["e2e-stock.json"], rows["e2e-g4ops.json"], rows["e2e-g4ops-inner-eager.json"]
+    for row in (g4, inner_eager):
+        assert row["speedup_vs_stock"] == row["tok_s"] / stock["tok_s"] and row["loss_matches_stock"] is True
+    assert "speedup_vs_stock" not in stock
+    assert "g4ops_env" not in g4 and inner_eager["g4ops_env"] == {"G4OPS_LORA_COMPILE": "0"}
     assert "| g4ops | 32 | packed | 26 | 2 | none |" in proc.stdout
+    assert "| g4ops [G4OPS_LORA_COMPILE=0] | 32 | packed | 26 | 2 | none |" in proc.stdout
     other = json.loads(paths[0].read_text())
     other["meta"]["gpu"] = "another GPU"
     paths[0].write_text(json.dumps(other))
