@@ -10,6 +10,9 @@
 #   STAGES="build e2e-each" E2E_VARIANTS="g4ops-compile liger stock-compile" E2E_ARGS="--parts train --seqs 2048" \
 #     bash bench/gpu_round.sh                         # compared train rows, each variant in its own process
 #   E2E_PARALLEL=1 STAGES="build e2e-each" ...        # the same, compiled side by side and timed one at a time
+#   STAGES="build e2e-each" E2E_AFTER_VARIANTS="stock g4ops g4ops+G4OPS_LORA_COMPILE=0 liger" E2E_REFERENCE=stock \
+#     E2E_ARGS="--parts train --seqs 2048 --g4ops-attention --optimizers none --lora 16" bash bench/gpu_round.sh
+#                                                     # eager rows (HF Trainer's default); +NAME=VALUE: g4ops' switches
 #   E2E_PARALLEL=1 STAGES="build e2e-each" E2E_VARIANTS="g4ops-compile stock-compile" E2E_AFTER_VARIANTS=liger \
 #     E2E_LAYOUTS="packed padded" E2E_ARGS="--parts train --seqs 2048 --g4ops-attention --optimizers none --lora 16" \
 #     bash bench/gpu_round.sh                         # two layouts in one call (an H200 only: 105 GiB of peaks)
@@ -107,17 +110,22 @@ if has e2e-each && [ -n "${E2E_VARIANTS:-}${E2E_AFTER_VARIANTS:-}" ]; then
   layouts=${E2E_LAYOUTS:-"-"}  # "-": E2E_ARGS' own layout
   n_parallel=$(( $(wc -w <<< "${E2E_VARIANTS:-}") * $(wc -w <<< "$layouts") ))
   turns=$(mktemp -d)  # fresh for each run: TimingTurns counts the files in it
-  e2e_each() {  # e2e_each PARALLEL VARIANT...: one e2e.py per variant and layout
-    local parallel=$1 variant layout name extra
+  e2e_each() {  # e2e_each PARALLEL VARIANT[+NAME=VALUE...]...: one e2e.py per variant and layout
+    local parallel=$1 word variant layout name extra switches switch
     shift
-    for variant in "$@"; do
+    for word in "$@"; do
+      # g4ops+G4OPS_LORA_COMPILE=0: the variant in a process with that environment (e2e.py's rows name it), its
+      # files named e2e-g4ops-G4OPS_LORA_COMPILE-0 (only letters, digits, '.', '_' and '-' come back from $OUT)
+      variant=${word%%+*} switches=()
+      [ "$word" != "$variant" ] && IFS=+ read -r -a switches <<< "${word#*+}"
       for layout in $layouts; do
         name=$variant extra=""
-        [ "$layout" != - ] && name=$layout-$variant extra="--layout $layout"
+        for switch in "${switches[@]}"; do name="$name-${switch//=/-}"; done
+        [ "$layout" != - ] && name=$layout-$name extra="--layout $layout"
         [ "$parallel" = 1 ] && extra="$extra --timing-turns $turns --timing-parties $n_parallel"
         # shellcheck disable=SC2086
-        cmd=(stage "e2e-$name" "${E2E_TIMEOUT:-540}" $PY bench/e2e.py --json "$OUT/e2e-$name.json"
-             --variants "$variant" ${E2E_ARGS:-} $extra)
+        cmd=(stage "e2e-$name" "${E2E_TIMEOUT:-540}" env "${switches[@]}" $PY bench/e2e.py
+             --json "$OUT/e2e-$name.json" --variants "$variant" ${E2E_ARGS:-} $extra)
         if [ "$parallel" = 1 ]; then "${cmd[@]}" > /dev/null & else "${cmd[@]}"; fi
       done
     done

@@ -206,10 +206,13 @@ def test_e2e_timing_turns_time_side_by_side_processes_one_at_a_time(tmp_path):
 def test_gpu_round_e2e_each_runs_every_layout_and_the_after_variants_last(tmp_path):
     """gpu_round.sh's e2e-each with E2E_LAYOUTS and E2E_AFTER_VARIANTS (how session 36 took two layouts' compared
     rows in one call): one process and file per variant and layout; the E2E_VARIANTS processes time in turns, the
-    after-variants run alone once they have exited; one merged table holds every row."""
+    after-variants run alone once they have exited; one merged table holds every row. The after-variant here runs
+    under two g4ops switches (VARIANT+NAME=VALUE+...), which its file name and rows carry."""
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OUT=str(out), PY=sys.executable,
-               STAGES="e2e-each", E2E_PARALLEL="1", E2E_VARIANTS="stock", E2E_AFTER_VARIANTS="g4ops",
+    switched = "g4ops+G4OPS_LORA_COMPILE=0+G4OPS_LORA_TRACE=1"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("G4OPS_")}
+    env = dict(env, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OUT=str(out), PY=sys.executable,
+               STAGES="e2e-each", E2E_PARALLEL="1", E2E_VARIANTS="stock", E2E_AFTER_VARIANTS=switched,
                E2E_LAYOUTS="packed padded", E2E_REFERENCE="stock",
                E2E_ARGS="--device cpu --shape tiny-e4b --dtype fp32 --seqs 32 --parts train --lora 2 --optimizers none "
                         "--warmup-steps 1 --steps 1")  # fmt: skip
@@ -218,10 +221,12 @@ def test_gpu_round_e2e_each_runs_every_layout_and_the_after_variants_last(tmp_pa
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = {}
     for layout in ("packed", "padded"):
-        for variant in ("stock", "g4ops"):
-            (row,) = json.loads((out / f"e2e-{layout}-{variant}.json").read_text())["train"]
+        for variant, name in (("stock", "stock"), ("g4ops", "g4ops-G4OPS_LORA_COMPILE-0-G4OPS_LORA_TRACE-1")):
+            (row,) = json.loads((out / f"e2e-{layout}-{name}.json").read_text())["train"]
             assert row["layout"] == layout and row["variant"] == variant and "error" not in row, row
             rows[layout, variant] = row
+        assert "g4ops_env" not in rows[layout, "stock"]
+        assert rows[layout, "g4ops"]["g4ops_env"] == {"G4OPS_LORA_COMPILE": "0", "G4OPS_LORA_TRACE": "1"}
     for layout in ("packed", "padded"):
         assert rows[layout, "stock"]["timing_turn"]["parties"] == 2  # the two parallel processes, one per layout
         assert "timing_turn" not in rows[layout, "g4ops"]
@@ -229,7 +234,8 @@ def test_gpu_round_e2e_each_runs_every_layout_and_the_after_variants_last(tmp_pa
     assert all(rows[layout, "g4ops"]["timed_from"] >= parallel_end for layout in ("packed", "padded"))
     table = (out / "e2e-table.md").read_text()
     for layout in ("packed", "padded"):
-        assert f"| g4ops | 32 | {layout} | 26 | 2 | none |" in table and f"| stock | 32 | {layout} |" in table, table
+        switched_row = f"| g4ops [G4OPS_LORA_COMPILE=0 G4OPS_LORA_TRACE=1] | 32 | {layout} | 26 | 2 | none |"
+        assert switched_row in table and f"| stock | 32 | {layout} |" in table, table
 
 
 def test_e2e_decode_variants_in_their_own_processes(tmp_path):
