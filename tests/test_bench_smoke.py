@@ -542,3 +542,17 @@ def test_profile_steps_census_counts_this_cases_graph_breaks_only(monkeypatch):
     counters.clear()
     assert sum(profile_steps._dynamo_counters()["graph_breaks"].values()) == 0
     torch._dynamo.reset()
+
+
+def test_lora_host_times_peft_and_the_g4ops_ops_it_routes_to(tmp_path):
+    """bench/lora_host.py (the eager LoRA step's per-call host cost): a row per case and implementation, each timed,
+    and the g4ops rows took g4ops' path (a projection routed to lora_linear, an MLP without a fallback reason)."""
+    out = tmp_path / "lora-host.json"
+    _run(["bench/lora_host.py", "--device", "cpu", "--warmup", "2", "--rounds", "2", "--calls", "3", "--json",
+          str(out)], tmp_path)  # fmt: skip
+    result = json.loads(out.read_text())
+    rows = {(r["case"], r["impl"]): r for r in result["rows"]}
+    assert set(rows) == {(case, impl) for case in ("q_proj", "mlp") for impl in ("peft", "g4ops")}, rows
+    assert all(r["us_per_call"] > 0 for r in rows.values()), rows
+    assert rows["q_proj", "g4ops"]["g4ops_path"] is True and rows["mlp", "g4ops"]["g4ops_path"] is True, rows
+    assert "g4ops_path" not in rows["q_proj", "peft"]
