@@ -481,8 +481,9 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
     rows = []
     use_g4ops = variant.startswith("g4ops")
     common = dict(part="train", variant=variant, seq=seq, layout=args.layout, real_tokens=real_tokens)
-    if use_g4ops and g4ops_switches():
-        common["g4ops_env"] = g4ops_switches()
+    switches = g4ops_switches()
+    if use_g4ops and switches:
+        common["g4ops_env"] = switches
     try:
         with g4ops_on(use_g4ops):
             state["model"] = model = model_for(args).train()
