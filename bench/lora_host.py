@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import platform
 import time
 from pathlib import Path
@@ -27,18 +26,16 @@ from pathlib import Path
 import torch
 
 import g4ops
+# bench/ is on sys.path when this script runs
+from e2e import g4ops_switches, lora_model
 from g4ops.models import build_model
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def lora_layer(args, use_g4ops: bool):
-    """Layer 0 of a one-layer tiny Gemma-4 with peft LoRA on every projection, in training mode."""
-    import peft
-
+    """Layer 0 of a one-layer tiny Gemma-4 with peft LoRA on every projection (as bench/e2e.py sets it up), in
+    training mode."""
     model = build_model(args.shape, num_layers=1, dtype=args.dtype, device=args.device)
-    config = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=TARGETS)
-    model = peft.get_peft_model(model, config).train()
+    model = lora_model(model, args.rank).train()
     if use_g4ops:
         g4ops.enable(model)  # after peft: routes the attention projections to g4ops.lora_linear
     return model.base_model.model.model.layers[0]
@@ -50,12 +47,12 @@ def best_us_per_call(args, call) -> float:
         call()
     best = float("inf")
     for _ in range(args.rounds):
-        if args.device == "cuda":
+        if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(args.calls):
             call()
-        if args.device == "cuda":
+        if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         best = min(best, (time.perf_counter() - start) / args.calls * 1e6)
     return best
@@ -99,14 +96,15 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[args.dtype]
     if args.dtype is None:
-        args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+        args.dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     rows = measure(args)
+    on_cuda = args.device.startswith("cuda")
     meta = dict(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch=torch.__version__,
                 python=platform.python_version(), device=args.device, dtype=str(args.dtype),
-                g4ops_env={k: v for k, v in sorted(os.environ.items()) if k.startswith("G4OPS_")},
-                device_name=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu")
+                g4ops_env=g4ops_switches(),
+                device_name=torch.cuda.get_device_name(args.device) if on_cuda else platform.processor() or "cpu")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 
