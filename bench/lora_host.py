@@ -27,7 +27,7 @@ import torch
 
 import g4ops
 # bench/ is on sys.path when this script runs
-from e2e import g4ops_switches, lora_model
+from e2e import DTYPES, g4ops_switches, lora_model
 from g4ops.models import build_model
 
 
@@ -94,13 +94,11 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch's intra-op threads on CPU (1: the host's own cost)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    args.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[args.dtype]
-    if args.dtype is None:
-        args.dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    on_cuda = args.device.startswith("cuda")
+    args.dtype = DTYPES[args.dtype or ("bf16" if on_cuda else "fp32")]
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     rows = measure(args)
-    on_cuda = args.device.startswith("cuda")
     meta = dict(date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch=torch.__version__,
                 python=platform.python_version(), device=args.device, dtype=str(args.dtype),
                 g4ops_env=g4ops_switches(),

@@ -17,6 +17,11 @@ from g4ops._torch_version import torch_version
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _without_switches() -> dict:
+    """This process's environment without g4ops' G4OPS_* switches (tests that set their own)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("G4OPS_")}
+
+
 def _run(args, tmp_path, timeout=240, env=None):
     env = dict(os.environ if env is None else env, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
@@ -151,7 +156,7 @@ def test_e2e_merge_joins_one_variant_per_file(tmp_path):
     for name, variant, switches in (("stock", "stock", {}), ("g4ops", "g4ops", {}),
                                     ("g4ops-inner-eager", "g4ops", {"G4OPS_LORA_COMPILE": "0"})):  # fmt: skip
         paths.append(tmp_path / f"e2e-{name}.json")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("G4OPS_")} | switches
+        env = _without_switches() | switches
         _run(["bench/e2e.py", "--device", "cpu", "--shape", "tiny-e4b", "--dtype", "fp32", "--seqs", "32", "--parts",
               "train", "--layout", "packed", "--lora", "2", "--optimizers", "none", "--warmup-steps", "1", "--steps",
               "1", "--variants", variant, "--json", str(paths[-1])], tmp_path, env=env)  # fmt: skip
@@ -210,8 +215,7 @@ def test_gpu_round_e2e_each_runs_every_layout_and_the_after_variants_last(tmp_pa
     under two g4ops switches (VARIANT+NAME=VALUE+...), which its file name and rows carry."""
     out = tmp_path / "out"
     switched = "g4ops+G4OPS_LORA_COMPILE=0+G4OPS_LORA_TRACE=1"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("G4OPS_")}
-    env = dict(env, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OUT=str(out), PY=sys.executable,
+    env = dict(_without_switches(), PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", OUT=str(out), PY=sys.executable,
                STAGES="e2e-each", E2E_PARALLEL="1", E2E_VARIANTS="stock", E2E_AFTER_VARIANTS=switched,
                E2E_LAYOUTS="packed padded", E2E_REFERENCE="stock",
                E2E_ARGS="--device cpu --shape tiny-e4b --dtype fp32 --seqs 32 --parts train --lora 2 --optimizers none "
