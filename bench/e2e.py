@@ -508,7 +508,11 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
                 if use_g4ops and args.lora_attention == "g4ops":  # after peft: its attention projections' layers
                     g4ops.enable(model)  # now exist, and enable(model) routes them to g4ops.lora_linear
                 if use_g4ops:  # asked outside the compiled step, whose trace does not log
-                    common["lora_linear_projections"] = sum(map(g4ops.lora.runs_lora_linear, model.modules()))
+                    # projections that run g4ops' LoRA math in this step: eager steps run peft's forward on them
+                    # unless g4ops.lora.EAGER_LINEAR_VIA_OP (G4OPS_LORA_EAGER_LINEAR=op)
+                    routed = sum(map(g4ops.lora.runs_lora_linear, model.modules()))
+                    via_lora_linear = variant.endswith("compile") or g4ops.lora.EAGER_LINEAR_VIA_OP
+                    common["lora_linear_projections"] = routed if via_lora_linear else 0
                     mlps = [m for m in model.modules() if type(m).__name__ == "Gemma4TextMLP"]
                     with step_autocast(args):  # the fallback reasons the step's own forward would meet
                         common["lora_mlp_fallback"] = sorted({g4ops.lora.fallback_reason(m) for m in mlps} - {None})

@@ -1,8 +1,10 @@
 """Host time of one LoRA call, forward and backward: peft's layers against the g4ops ops an eager step calls.
 
-An eager LoRA step (HF Trainer's default: no torch.compile) calls `g4ops::lora_linear` for each of q/k/v/o_proj and
-`g4ops::lora_geglu_mlp` for each MLP, forward and backward; each call pays the op's dispatch, its input checks and, on
-CUDA, its inner torch.compile call (`G4OPS_LORA_COMPILE=0` runs the math eagerly instead). At the tiny shape timed
+An eager LoRA step (HF Trainer's default: no torch.compile) calls `g4ops::lora_geglu_mlp` for each MLP, forward and
+backward; each call pays the op's dispatch, its input checks and, on CUDA, its inner torch.compile call
+(`G4OPS_LORA_COMPILE=0` runs the math eagerly instead). It called `g4ops::lora_linear` for each of q/k/v/o_proj too,
+until these rows showed the op's per-call cost there (g4ops.lora.EAGER_LINEAR_VIA_OP: eager projections now run
+peft's forward); the q_proj row here still times the op (this script turns the switch on). At the tiny shape timed
 here the GPU work is microseconds, so the time per call is the host's. Times 42 layers' worth of calls against an
 E4B step's GPU time (`bench/profile_steps.py --train-modes eager`) to see whether the eager step is host-bound.
 
@@ -59,6 +61,7 @@ def best_us_per_call(args, call) -> float:
 
 
 def measure(args) -> list[dict]:
+    g4ops.lora.EAGER_LINEAR_VIA_OP = True  # the q_proj row times the op (module docstring)
     rows = []
     for impl in ("peft", "g4ops"):
         with g4ops.enable() if impl == "g4ops" else contextlib.nullcontext():

@@ -886,8 +886,9 @@ _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 def _route_projection_lora(attention: nn.Module) -> list[nn.Module]:
     """Give each peft lora.Linear among the attention's projections g4ops.lora's forward (`make_linear_forward`):
-    the module calls inside stock Gemma4TextAttention.forward then run `g4ops::lora_linear`. Only through
-    enable(model): a class-wide enable() cannot see which peft layers sit in a Gemma-4 attention."""
+    the module calls inside stock Gemma4TextAttention.forward then run `g4ops::lora_linear` (its math) under
+    torch.compile, peft's forward in eager (`lora.EAGER_LINEAR_VIA_OP` says why). Only through enable(model): a
+    class-wide enable() cannot see which peft layers sit in a Gemma-4 attention."""
     routed = []
     for name in _ATTENTION_PROJECTIONS:
         proj = getattr(attention, name, None)

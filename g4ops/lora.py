@@ -778,6 +778,15 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
 # G4OPS_LORA_SPLIT=1) they fell to about 1.0 ms, the K=r products that then stayed fp32, and the graphed 42-layer
 # step went from 15444 to 16081 tok/s (bench/results/2026-12-04-h200-session24.md). Those products are now folded
 # into the base GEMMs (`_plus_low_rank`): 16916 tok/s (bench/results/2026-12-05-h200-session27.md).
+#
+# Eager calls (no torch.compile tracing the model: HF Trainer's default) of a routed projection run peft's own forward
+# instead (`make_linear_forward`): there the op's per-call host cost outweighs what it saves on the GPU, which is
+# only G4OPS_LORA_SPLIT's products (off by default). On an H100 machine (torch 2.11, 2026-12-06, bench/lora_host.py at
+# tiny widths, where the time is the host's) a q_proj forward and backward took 1139-1340 us through the op against
+# 537-826 us through peft; a 42-layer eager E4B LoRA step (r=16, 2048 tokens, packed or padded) that called the op on
+# its 132 projections ran at 0.82-0.87x stock eager's speed (bench/results/2026-12-06-h100-session40.md), about the
+# 100 ms of host time per step those calls added. G4OPS_LORA_EAGER_LINEAR=op keeps the op in eager too.
+EAGER_LINEAR_VIA_OP = os.environ.get("G4OPS_LORA_EAGER_LINEAR") == "op"
 
 
 def lora_linear_forward_math(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
@@ -1076,12 +1085,20 @@ LINEAR_FORWARD_MARK = "_g4ops_lora_linear"  # on the forward `make_linear_forwar
 
 
 def make_linear_forward(peft_forward, is_plain_linear, is_plain_tensor):
-    """The forward integration puts on a peft lora.Linear projection of a Gemma-4 attention (enable(model)): the
-    layer through `lora_linear` where `projection_terms` says the op reproduces peft, else `peft_forward` (peft's
-    class forward), the reason logged once. Merged, disabled or inactive adapters: peft's forward, which then runs
-    the base layer alone."""
+    """The forward integration puts on a peft lora.Linear projection of a Gemma-4 attention (enable(model)): inside
+    a torch.compile trace, the layer through `lora_linear` where `projection_terms` says the op reproduces peft, else
+    `peft_forward` (peft's class forward), the reason logged once; eager calls run `peft_forward` unless
+    EAGER_LINEAR_VIA_OP (section "One projection" says why). Merged, disabled or inactive adapters: peft's forward,
+    which then runs the base layer alone."""
 
     def forward(self, x, *args, **kwargs):
+        if not (torch.compiler.is_compiling() or EAGER_LINEAR_VIA_OP):
+            if "eager-linear" not in _logged:
+                _logged.add("eager-linear")
+                logger.info("g4ops: eager calls of the Gemma-4 attention projections' LoRA run peft's forward, "
+                            "faster there than g4ops.lora_linear; a torch.compile'd model runs g4ops' LoRA math "
+                            "(G4OPS_LORA_EAGER_LINEAR=op: the op in eager too)")  # fmt: skip
+            return peft_forward(self, x, *args, **kwargs)
         if args or kwargs or not is_plain_tensor(x):  # peft's extra arguments (adapter_names, ...)
             return peft_forward(self, x, *args, **kwargs)
         terms = projection_terms(self, is_plain_linear, x.dtype, from_our_forward=True)
@@ -1105,16 +1122,18 @@ def runs_lora_linear(layer: nn.Module) -> bool:
 
 def explain_unrouted_projections(attention, names) -> None:
     """Say once (INFO, "g4ops" logger) when an attention's projections are peft LoRA layers without the forward
-    `make_linear_forward` builds: they run peft's forward, because only enable(model) called after peft wrapped them
-    routes them (integration's `_route_projection_lora`). Eager calls only (the caller checks)."""
+    `make_linear_forward` builds: they run peft's forward under torch.compile too, because only enable(model) called
+    after peft wrapped them routes them (integration's `_route_projection_lora`). Eager calls only (the caller
+    checks; a trace cannot log)."""
     if attention is None or "unrouted" in _logged:
         return
     for name in names:
         proj = getattr(attention, name, None)
         if proj is not None and is_plain_lora_linear(proj) and "forward" not in vars(proj):
             _logged.add("unrouted")
-            logger.info("g4ops: the Gemma-4 attention projections with peft LoRA run peft's forward; "
-                        "call g4ops.enable(model) after peft wraps the model to run them as g4ops.lora_linear")
+            logger.info("g4ops: the Gemma-4 attention projections with peft LoRA run peft's forward, under "
+                        "torch.compile too; call g4ops.enable(model) after peft wraps the model so that a compiled "
+                        "model runs them through g4ops.lora_linear's math")  # fmt: skip
             return
 
 

@@ -109,15 +109,19 @@ def test_e2e_train_with_g4ops_attention(tmp_path):
     assert rows["g4ops"]["loss_matches_stock"] is True and rows["g4ops"]["tok_s"] > 0
 
 
-def test_e2e_lora_rows_route_the_attention_projections(tmp_path):
-    """--lora: the g4ops row's attention projections run g4ops.lora_linear (enable(model) after peft wraps them), its
-    MLPs the fused LoRA MLP, and its loss matches stock peft's."""
+@pytest.mark.parametrize("eager_linear", [None, "op"], ids=["eager-default", "eager-op"])
+def test_e2e_lora_rows_route_the_attention_projections(tmp_path, eager_linear):
+    """--lora: the g4ops row's MLPs run the fused LoRA MLP and its loss matches stock peft's; its attention
+    projections, routed by enable(model) after peft wraps them, run peft's forward in an eager step unless
+    G4OPS_LORA_EAGER_LINEAR=op (g4ops.lora.EAGER_LINEAR_VIA_OP); the row counts those that run g4ops.lora_linear."""
     out = tmp_path / "e2e.json"
+    env = _without_switches() | ({"G4OPS_LORA_EAGER_LINEAR": eager_linear} if eager_linear else {})
     _run(["bench/e2e.py", "--device", "cpu", "--shape", "tiny-e4b", "--smoke", "--parts", "train", "--variants",
-          "stock,g4ops", "--optimizers", "none", "--lora", "2", "--json", str(out)], tmp_path)  # fmt: skip
+          "stock,g4ops", "--optimizers", "none", "--lora", "2", "--json", str(out)], tmp_path, env=env)  # fmt: skip
     rows = {r["variant"]: r for r in json.loads(out.read_text())["train"]}
     g4 = rows["g4ops"]
-    assert g4["lora_linear_projections"] > 0 and g4["lora_mlp_fallback"] == [], g4
+    assert (g4["lora_linear_projections"] > 0) == (eager_linear == "op") and g4["lora_mlp_fallback"] == [], g4
+    assert g4.get("g4ops_env", {}) == ({"G4OPS_LORA_EAGER_LINEAR": "op"} if eager_linear else {}), g4
     assert g4["loss_matches_stock"] is True and "error" not in rows["stock"], rows
 
 

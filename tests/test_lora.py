@@ -763,9 +763,11 @@ def test_outer_compile_replays_graphs_says_when_it_cannot_tell(monkeypatch, capl
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("attention", [False, True], ids=["sdpa", "g4ops-attention"])
-def test_tiny_model_lora_on_all_projections_matches_stock(device, attention):
+def test_tiny_model_lora_on_all_projections_matches_stock(device, attention, monkeypatch):
     """The attention projections are module calls inside Gemma4TextAttention: enable(model) gives their peft layers
-    g4ops' forward (`g4ops::lora_linear`, tests/test_lora_linear.py); the class-wide enable() leaves them to peft."""
+    g4ops' forward (`g4ops::lora_linear`, tests/test_lora_linear.py); the class-wide enable() leaves them to peft.
+    Eager calls of the op are turned on here (by default they run peft's forward: `lora.EAGER_LINEAR_VIA_OP`)."""
+    monkeypatch.setattr(lora, "EAGER_LINEAR_VIA_OP", True)
     base = build_model("tiny-e4b").to(device)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)

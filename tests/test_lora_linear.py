@@ -6,6 +6,9 @@ base), what falls back to peft and says so, disable(), and torch.compile without
 
 The module under test is one Gemma4TextAttention of odd width whose q_proj and o_proj a small holder calls in a row
 (the routing is per projection; tests/test_lora.py runs the whole tiny model with LoRA on every projection).
+Eager calls of a routed projection run peft's forward by default (`lora.EAGER_LINEAR_VIA_OP`, faster there): the
+tests here turn the op on in eager to check it; `test_eager_calls_run_peft_by_default` and the compile test check
+the default.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ TRAIN = ("g4ops.lora_linear_forward.default", "g4ops.lora_linear_backward.defaul
 
 
 @pytest.fixture(autouse=True)
-def _always_disabled():
+def _always_disabled(monkeypatch):
+    monkeypatch.setattr(lora, "EAGER_LINEAR_VIA_OP", True)  # the op, as a compiled model runs it (module docstring)
     g4ops.disable()
     with g4ops.enable():  # the one-time probe draws from the global generator: here, not inside a test
         pass
@@ -132,6 +136,22 @@ def test_several_active_adapters(device):
         assert {n.split(".")[-2] for n in ours[2]} == set(active)
         # "second" sits on o_proj only: with it alone active, q_proj has no adapter and runs its base layer
         assert ours[3].get(TRAIN[0]) == (2 if "default" in active else 1), ours[3]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_calls_run_peft_by_default(device, monkeypatch, caplog):
+    """Eager (HF Trainer's default), the routed projections run peft's forward, bitwise stock, and say so once;
+    compiled, they take g4ops' path (test_compiled_fullgraph_has_no_graph_breaks_and_matches_eager)."""
+    monkeypatch.setattr(lora, "EAGER_LINEAR_VIA_OP", False)
+    monkeypatch.setattr(lora, "_logged", set())
+    caplog.set_level(logging.INFO, logger="g4ops")
+    model = _model(device, lora_dropout=0.3).train()
+    x, grad_out = _inputs(device, F32, model)
+    stock, ours = _run(model, x, grad_out, False), _run(model, x, grad_out, True)
+    assert not ours[3], ours[3]  # no g4ops op ran
+    assert torch.equal(ours[0], stock[0]) and torch.equal(ours[1], stock[1])
+    assert all(torch.equal(ours[2][name], g) for name, g in stock[2].items())
+    assert caplog.text.count("run peft's forward, faster there than g4ops.lora_linear") == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -346,8 +366,11 @@ def test_bad_input_names_the_argument():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_compiled_fullgraph_has_no_graph_breaks_and_matches_eager(device):
+def test_compiled_fullgraph_has_no_graph_breaks_and_matches_eager(device, monkeypatch):
     model = _model(device).train()
+    eager_op = _run(model, *_inputs(device, F32, model), True)[3]
+    assert all(eager_op.get(op) == 2 for op in TRAIN), eager_op
+    monkeypatch.setattr(lora, "EAGER_LINEAR_VIA_OP", False)  # the default: eager runs peft, a compile g4ops' math
     x, grad_out = _inputs(device, F32, model)
     eager = _run(model, x, grad_out, True)
     with g4ops.enable(model):
