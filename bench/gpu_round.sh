@@ -10,7 +10,8 @@
 #   STAGES="build e2e-each" E2E_VARIANTS="g4ops-compile liger stock-compile" E2E_ARGS="--parts train --seqs 2048" \
 #     bash bench/gpu_round.sh                         # compared train rows, each variant in its own process
 #   E2E_PARALLEL=1 STAGES="build e2e-each" ...        # the same, compiled side by side and timed one at a time
-#   STAGES="build e2e-each" E2E_AFTER_VARIANTS="stock g4ops g4ops+G4OPS_LORA_COMPILE=0 liger" E2E_REFERENCE=stock \
+#   STAGES="build e2e-each" E2E_AFTER_VARIANTS="stock g4ops g4ops+G4OPS_LORA_EAGER_LINEAR=op liger" \
+#     E2E_REFERENCE=stock \
 #     E2E_ARGS="--parts train --seqs 2048 --g4ops-attention --optimizers none --lora 16" bash bench/gpu_round.sh
 #                                                     # eager rows (HF Trainer's default); +NAME=VALUE: g4ops' switches
 #   E2E_PARALLEL=1 STAGES="build e2e-each" E2E_VARIANTS="g4ops-compile stock-compile" E2E_AFTER_VARIANTS=liger \
