@@ -780,8 +780,9 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
 # into the base GEMMs (`_plus_low_rank`): 16916 tok/s (bench/results/2026-12-05-h200-session27.md).
 #
 # Eager calls (no torch.compile tracing the model: HF Trainer's default) of a routed projection run peft's own forward
-# instead (`make_linear_forward`): there the op's per-call host cost outweighs what it saves on the GPU, which is
-# only G4OPS_LORA_SPLIT's products (off by default). On an H100 machine (torch 2.11, 2026-12-06, bench/lora_host.py at
+# instead (`make_linear_forward`): there the op's per-call host cost outweighs what it saves on the GPU, a few
+# elementwise passes over [T, out] that its inner compile fuses (G4OPS_LORA_SPLIT's products are off by default; the
+# adapter GEMMs are peft's). On an H100 machine (torch 2.11, 2026-12-06, bench/lora_host.py at
 # tiny widths, where the time is the host's) a q_proj forward and backward took 1139-1340 us through the op against
 # 537-826 us through peft; a 42-layer eager E4B LoRA step (r=16, 2048 tokens, packed or padded) that called the op on
 # its 132 projections ran at 0.82-0.87x stock eager's speed (bench/results/2026-12-06-h100-session40.md), about the
