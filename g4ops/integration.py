@@ -26,8 +26,9 @@ This is the only module that knows transformers' Gemma-4 class names and quirks 
   `g4ops.attention` (exact, GEMM-chunked, any head_dim) on the full-attention layers for training and prefill, with
   stock's padding or packed-sequence mask where there is one; on the sliding layers of such a call without a mask
   FlexAttention over the window's band when compiled on CUDA (with a mask too, narrowed by it, where
-  `MASKED_SLIDING_VIA_FLEX` is on), else stock SDPA with the dense window mask; and stock SDPA with the mask stock
-  would have built everywhere else (section "Attention" below).
+  `MASKED_SLIDING_VIA_FLEX` is on; with it, on g4ops.attention where `MASKED_SLIDING_VIA_G4OPS` is), else stock
+  SDPA with the dense window mask; and stock SDPA with the mask stock would have built everywhere else (section
+  "Attention" below).
 
 - Decode: `Gemma4ForCausalLM.generate` (and the multimodal class's, for text-only calls) is wrapped so that calls on
   CUDA that the decoder reproduces exactly (greedy or sampled, default or static cache: g4ops/decode.py says which)
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import types
 import weakref
 
@@ -539,12 +541,11 @@ def _unpatch_module(module: nn.Module) -> None:
 # `sliding_window`; full layers then run g4ops.attention, sliding layers FlexAttention (compiled CUDA) or stock sdpa
 # with the pattern as a dense mask (cuDNN, faster than g4ops.attention there). Everything else gets stock sdpa's
 # mask: on a call with queries = keys (padding, packed sequences) g4ops.attention runs with that mask on a full
-# layer and FlexAttention on a sliding one (compiled CUDA, `MASKED_SLIDING_VIA_FLEX`), elsewhere stock sdpa
-# attention. A None mask then always means "causal, queries bottom-right aligned". Stock
-# sdpa may also skip its mask for a
-# static-cache prefill (L < S, top-left aligned); we never let it for L > 1, because transformers 5.24 slices the
-# queries of KV-shared layers to the last rows when the mask is None under any implementation not named "sdpa",
-# and one alignment must be right for both.
+# layer and FlexAttention on a sliding one (compiled CUDA, `MASKED_SLIDING_VIA_FLEX`; or g4ops.attention,
+# `MASKED_SLIDING_VIA_G4OPS`), elsewhere stock sdpa attention. A None mask then always means "causal, queries
+# bottom-right aligned". Stock sdpa may also skip its mask for a static-cache prefill (L < S, top-left aligned); we
+# never let it for L > 1, because transformers 5.24 slices the queries of KV-shared layers to the last rows when the
+# mask is None under any implementation not named "sdpa", and one alignment must be right for both.
 #
 # Padding and packing (tests/test_packing.py): whatever mask reaches stock sdpa from here has a visible key in every
 # query row (`_open_empty_rows`), and those rows' outputs are 0, as CPU sdpa gives them and g4ops.attention does: a fully masked row (a
@@ -568,6 +569,12 @@ SLIDING_VIA_FLEX = True
 # (FlexAttention's eager forward, the traced graph), but compiled on CUDA under torch 2.11 it failed
 # (attention.MASKED_FLEX_MIN_TORCH says how; there it stays off even when set). Its CUDA tests turn it on.
 MASKED_SLIDING_VIA_FLEX = False
+# ... or, G4OPS_MASKED_SLIDING=g4ops, on g4ops.attention with the window and the mask (any device, eager or compiled),
+# where FlexAttention does not take them: its query blocks multiply only against the keys of their band, about
+# L * (block + window) pairs where SDPA with the dense mask computes all L * L. Masked batches ran at 1.08-1.09x stock
+# compile against an unmasked sequence's 1.49x (H100, bench/results/2026-12-06-h100-session40.md), and their sliding
+# layers on SDPA are the suspect; this path has not been timed on a GPU yet, so it is opt-in.
+MASKED_SLIDING_VIA_G4OPS = os.environ.get("G4OPS_MASKED_SLIDING") == "g4ops"
 _switched_configs: list[weakref.ref] = []  # Gemma-4 text configs enable(model) moved from "sdpa" to "g4ops"
 
 
@@ -735,7 +742,8 @@ def g4ops_attention_forward(
     # A training-shaped call (queries = keys, from position 0) with padding or packed sequences: on a full layer
     # g4ops.attention with the mask, where stock's head_dim-512 SDPA is its slow mem-efficient kernel; on a sliding
     # layer longer than the window (as without a mask, below) FlexAttention with the mask inside the band where it is
-    # usable and turned on (MASKED_SLIDING_VIA_FLEX), where SDPA computes every pair of the dense mask. Only for
+    # usable and turned on (MASKED_SLIDING_VIA_FLEX), else g4ops.attention with the window and the mask where that
+    # is turned on (MASKED_SLIDING_VIA_G4OPS), where SDPA computes every pair of the dense mask. Only for
     # causal-only masks: transformers' masks narrow the causal (sliding) pattern unless a config asks for
     # bidirectional (vision) blocks, which neither would compute (they see no key past a query).
     # Mixed dtypes (not from autocast, cast above) stay on stock SDPA.
@@ -750,6 +758,9 @@ def g4ops_attention_forward(
             if (SLIDING_VIA_FLEX and MASKED_SLIDING_VIA_FLEX and q_len > sliding_window
                     and flex_sliding_usable(query) and masked_flex_supported()):  # fmt: skip
                 out = sliding_window_attention(query, key, value, scaling, sliding_window, mask=mask)
+                return out.transpose(1, 2).contiguous(), None
+            if MASKED_SLIDING_VIA_G4OPS:
+                out = attention(query, key, value, scale=scaling, window=sliding_window, mask=mask)
                 return out.transpose(1, 2).contiguous(), None
         return stock(mask, every_row_sees_a_key)
 

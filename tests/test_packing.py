@@ -232,6 +232,25 @@ def test_batch_in_fp64_equals_each_sequence_alone(device, layout, use_cache, ker
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["packed-transformers", "packed-trl", "right-padded", "left-padded"])
+def test_sliding_layers_on_g4ops_attention_with_the_batch_mask_equal_each_sequence_alone(device, layout,
+                                                                                         kernel_masks, monkeypatch):
+    """integration.MASKED_SLIDING_VIA_G4OPS (G4OPS_MASKED_SLIDING=g4ops, opt-in): a padded or packed batch's sliding
+    layers run g4ops.attention with the window and the batch's mask too, so every layer of both forwards does; loss,
+    logits and gradients equal each sequence's alone in fp64 (the pad run of 9 leaves sliding rows without a key)."""
+    seqs, oracle = _oracle(device)
+    batch, places = BATCHES[layout]([s.cpu() for s in seqs])
+    model = _g4ops_model(F64, device)
+    assert not integration.MASKED_SLIDING_VIA_G4OPS or os.environ.get("G4OPS_MASKED_SLIDING") == "g4ops"
+    monkeypatch.setattr(integration, "MASKED_SLIDING_VIA_G4OPS", True)
+    errs = _errors(_run(model, _on(batch, device), _items(seqs), use_cache=False), oracle, places)
+    assert kernel_masks == [True] * 2 * model.config.num_hidden_layers, kernel_masks
+    bound = O.tolerance(torch.float32, k=model.config.vocab_size) if layout in SHIFTED_POSITIONS else EXACT
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= bound, f"{worst}: {errs[worst]:.3e} > {bound:.1e}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", list(BATCHES))
 def test_batch_in_fp32_no_worse_than_stock(device, layout):
     """Stock runs with use_cache=False (without it stock mixes packed sequences); g4ops with the config's default.
@@ -390,7 +409,9 @@ def _compiled_packed_training(device: str, backend: str):
 
 
 @pytest.mark.slow  # Dynamo tracing the model's forward and backward: 90 s on the loaded 2-core machine
-def test_compiled_packed_training_matches_eager_and_a_cache_is_refused():
+@pytest.mark.parametrize("masked_g4ops", [False, True], ids=["sdpa-sliding", "g4ops-sliding"])
+def test_compiled_packed_training_matches_eager_and_a_cache_is_refused(monkeypatch, masked_g4ops):
+    monkeypatch.setattr(integration, "MASKED_SLIDING_VIA_G4OPS", masked_g4ops)
     # aot_eager: Dynamo and AOTAutograd trace what Inductor would get (the masks transformers builds while tracing,
     # the device assert), in seconds instead of the minutes Inductor's CPU codegen takes on 2 cores; Inductor itself
     # runs on CUDA below (and test_attention.py compiles the model with it on CPU)
@@ -399,10 +420,12 @@ def test_compiled_packed_training_matches_eager_and_a_cache_is_refused():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("masked_flex", [False, pytest.param(True, marks=NEEDS_MASKED_FLEX_TORCH)],
-                         ids=["sdpa-sliding", "flex-sliding"])  # fmt: skip
-def test_compiled_packed_training_on_cuda_with_inductor(monkeypatch, flex_masks, masked_flex):
+@pytest.mark.parametrize("masked_flex, masked_g4ops", [(False, False), pytest.param(True, False,
+                         marks=NEEDS_MASKED_FLEX_TORCH), (False, True)],
+                         ids=["sdpa-sliding", "flex-sliding", "g4ops-sliding"])  # fmt: skip
+def test_compiled_packed_training_on_cuda_with_inductor(monkeypatch, flex_masks, masked_flex, masked_g4ops):
     monkeypatch.setattr(integration, "MASKED_SLIDING_VIA_FLEX", masked_flex)
+    monkeypatch.setattr(integration, "MASKED_SLIDING_VIA_G4OPS", masked_g4ops)
     _compiled_packed_training("cuda", "inductor")
     # with it on, the sliding layers ran FlexAttention with the packed mask
     assert flex_masks == ([True] * len(flex_masks) if masked_flex else []) and (flex_masks or not masked_flex)
