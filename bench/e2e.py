@@ -479,7 +479,7 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
     liger_undo = None
     state = {}  # everything big, dropped in `finally` even when a step ran out of memory
     rows = []
-    use_g4ops = variant.startswith("g4ops")
+    use_g4ops, compiled = variant.startswith("g4ops"), variant.endswith("compile")
     common = dict(part="train", variant=variant, seq=seq, layout=args.layout, real_tokens=real_tokens)
     switches = g4ops_switches()
     if use_g4ops and switches:
@@ -490,7 +490,7 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
             if use_g4ops and args.g4ops_attention:
                 g4ops.enable(model, attention=True)  # also switch its attention to g4ops' implementation
                 use_sliding(args.sliding, args.flex_options)
-                on_flex = variant.endswith("compile") and args.device.startswith("cuda")
+                on_flex = compiled and args.device.startswith("cuda")
                 common["sliding"] = args.sliding if on_flex else "stock"
             common["attention"] = model.config._attn_implementation
             if args.autocast:
@@ -511,12 +511,11 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
                     # projections that run g4ops' LoRA math in this step: eager steps run peft's forward on them
                     # unless g4ops.lora.EAGER_LINEAR_VIA_OP (G4OPS_LORA_EAGER_LINEAR=op)
                     routed = sum(map(g4ops.lora.runs_lora_linear, model.modules()))
-                    via_lora_linear = variant.endswith("compile") or g4ops.lora.EAGER_LINEAR_VIA_OP
+                    via_lora_linear = compiled or g4ops.lora.EAGER_LINEAR_VIA_OP
                     common["lora_linear_projections"] = routed if via_lora_linear else 0
                     mlps = [m for m in model.modules() if type(m).__name__ == "Gemma4TextMLP"]
                     with step_autocast(args):  # the fallback reasons the step's own forward would meet
                         common["lora_mlp_fallback"] = sorted({g4ops.lora.fallback_reason(m) for m in mlps} - {None})
-            compiled = variant.endswith("compile")
             if compiled and args.compile_mode != "default":
                 common["compile_mode"] = args.compile_mode
             if compiled and args.dict_tag_guards:
