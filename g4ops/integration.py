@@ -571,9 +571,10 @@ SLIDING_VIA_FLEX = True
 MASKED_SLIDING_VIA_FLEX = False
 # ... or, G4OPS_MASKED_SLIDING=g4ops, on g4ops.attention with the window and the mask (any device, eager or compiled),
 # where FlexAttention does not take them: its query blocks multiply only against the keys of their band, about
-# L * (block + window) pairs where SDPA with the dense mask computes all L * L. Masked batches ran at 1.08-1.09x stock
-# compile against an unmasked sequence's 1.49x (H100, bench/results/2026-12-06-h100-session40.md), and their sliding
-# layers on SDPA are the suspect; this path has not been timed on a GPU yet, so it is opt-in.
+# L * (block + window) pairs where SDPA with the dense mask computes all L * L. Opt-in because it is slower where
+# timed: a packed 2048-token LoRA step ran at 0.81x the default's speed (H100, compiled, 42 layers,
+# bench/results/2026-12-06-h100-session41.md), cuDNN's dense-mask kernel beating the chunked one at head_dim 256.
+# Not timed at 8192 tokens, where the dense mask computes a larger share of pairs outside the band.
 MASKED_SLIDING_VIA_G4OPS = os.environ.get("G4OPS_MASKED_SLIDING") == "g4ops"
 _switched_configs: list[weakref.ref] = []  # Gemma-4 text configs enable(model) moved from "sdpa" to "g4ops"
 
