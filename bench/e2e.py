@@ -642,7 +642,8 @@ def measure_optimizer_row(args, model, step_model, optimizer: str, batch: dict, 
             sync(args.device)
             times.append(time.perf_counter() - t)
         median = statistics.median(times)
-        row.update(step_s=median, tok_s=real_tokens / median, peak_gib=peak_gib(args.device))
+        row.update(step_s=median, tok_s=real_tokens / median, peak_gib=peak_gib(args.device),
+                   steps_s=[round(x, 5) for x in times])  # the spread behind the median
         # The same steps back to back, one sync at the end, as a loop that never waits for the GPU runs them: the
         # host's work before a step's first kernel then overlaps the last step's GPU work. tok_s above (a sync
         # around each step) is the headline; the difference is host time that a synced step exposes.
@@ -1004,7 +1005,7 @@ def parse_args(argv=None):
                     help="train: gradient checkpointing on (use_reentrant=False), e.g. for the longest sequence that "
                          "fits: --seqs 16384,32768,65536 --variants stock,g4ops")
     ap.add_argument("--warmup-steps", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)  # a 42-layer step takes 0.1-0.6 s; 3 left medians noisy
     ap.add_argument("--parity-tokens", type=int, default=300)
     ap.add_argument("--fp32-layers", type=int, default=6, help="parity fp32 model's layers (--shape models only)")
     ap.add_argument("--fp32-tokens", type=int, default=600)
