@@ -787,7 +787,7 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
 # 537-826 us through peft; a 42-layer eager E4B LoRA step (r=16, 2048 tokens, packed or padded) that called the op on
 # its 132 projections ran at 0.82-0.87x stock eager's speed (bench/results/2026-12-06-h100-session40.md), about the
 # 100 ms of host time per step those calls added; with peft's forward there it ran at 1.05x (packed) and 1.14x
-# (padded) at 35-39% less memory (bench/results/2026-12-06-h100-session41.md). G4OPS_LORA_EAGER_LINEAR=op keeps the
+# (padded) at 36-39% less memory (bench/results/2026-12-06-h100-session41.md). G4OPS_LORA_EAGER_LINEAR=op keeps the
 # op in eager too.
 EAGER_LINEAR_VIA_OP = os.environ.get("G4OPS_LORA_EAGER_LINEAR") == "op"
 
