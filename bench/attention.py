@@ -4,7 +4,8 @@ full layers: head_dim 512, causal (transformers passes no mask: SDPA is_causal; 
 sliding layers: head_dim 256, window 512 (transformers passes a dense [L, L] boolean mask once L >= 512).
 
 Both sides go through the attention-interface entry the model calls (transformers' `sdpa_attention_forward`, and
-`g4ops.integration.g4ops_attention_forward` with mask None), so the [B, L, H, D] output transpose is included.
+`g4ops.hf.attention_interface.g4ops_attention_forward` with mask None), so the [B, L, H, D] output transpose is
+included.
 Correctness first, in the same run: out, dq, dk, dv of both against an fp64 reference at a smaller length (errors
 are norm-wise relative), then the timings: forward, forward+backward (CUDA events, median after warm-up, fresh
 non-zero random inputs), eager and torch.compile, and the peak memory of one forward+backward above the inputs.
@@ -31,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from g4ops.integration import g4ops_attention_forward
+from g4ops.hf.attention_interface import g4ops_attention_forward
 
 HQ, HKV = 8, 2
 LAYERS = {"full": (512, None), "sliding": (256, 512)}  # kind -> (head_dim, window)

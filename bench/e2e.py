@@ -38,7 +38,7 @@ Parts (`--parts`, comma-separated; default all):
           `--lora R`: every variant trains peft LoRA adapters of rank R (alpha 2R, dropout 0, peft's init) on
           q/k/v/o/gate/up/down with the base weights frozen, instead of a full finetune (name the `--json` file
           with "lora"). The g4ops rows record `lora_mlp_fallback`: empty when every MLP runs g4ops' fused LoRA
-          path (g4ops/lora.py), else why not.
+          path (g4ops/hf/peft_lora.py), else why not.
           `--compile-mode reduce-overhead`: the *-compile variants replay each step from CUDA graphs (Inductor's
           graph trees; the step marks its start with torch.compiler.cudagraph_mark_step_begin); rows record
           `cudagraph_skips`, the graphs Inductor left uncaptured (TORCH_LOGS=perf_hints says why).
@@ -455,8 +455,8 @@ def check_sliding_arg(parser, choice: str) -> None:
 
 def use_sliding(choice: str, flex_options: dict | None = None) -> None:
     """Set g4ops' sliding-layer switches for a `--sliding` choice and `--flex-options`."""
-    g4ops.integration.SLIDING_VIA_FLEX = choice != "stock"
-    g4ops.integration.MASKED_SLIDING_VIA_FLEX = choice == "flex-masked"
+    g4ops.hf.attention_interface.SLIDING_VIA_FLEX = choice != "stock"
+    g4ops.hf.attention_interface.MASKED_SLIDING_VIA_FLEX = choice == "flex-masked"
     g4ops.attention.SLIDING_FLEX_KERNEL_OPTIONS = flex_options
 
 
@@ -509,13 +509,14 @@ def train_variant(args, variant: str, seq: int, batch: dict, real_tokens: int) -
                     g4ops.enable(model)  # now exist, and enable(model) routes them to g4ops.lora_linear
                 if use_g4ops:  # asked outside the compiled step, whose trace does not log
                     # projections that run g4ops' LoRA math in this step: eager steps run peft's forward on them
-                    # unless g4ops.lora.EAGER_LINEAR_VIA_OP (G4OPS_LORA_EAGER_LINEAR=op)
-                    routed = sum(map(g4ops.lora.runs_lora_linear, model.modules()))
-                    via_lora_linear = compiled or g4ops.lora.EAGER_LINEAR_VIA_OP
+                    # unless g4ops.hf.peft_lora.EAGER_LINEAR_VIA_OP (G4OPS_LORA_EAGER_LINEAR=op)
+                    routed = sum(map(g4ops.hf.peft_lora.runs_lora_linear, model.modules()))
+                    via_lora_linear = compiled or g4ops.hf.peft_lora.EAGER_LINEAR_VIA_OP
                     common["lora_linear_projections"] = routed if via_lora_linear else 0
                     mlps = [m for m in model.modules() if type(m).__name__ == "Gemma4TextMLP"]
                     with step_autocast(args):  # the fallback reasons the step's own forward would meet
-                        common["lora_mlp_fallback"] = sorted({g4ops.lora.fallback_reason(m) for m in mlps} - {None})
+                        reasons = {g4ops.hf.peft_lora.fallback_reason(m) for m in mlps}
+                        common["lora_mlp_fallback"] = sorted(reasons - {None})
             if compiled and args.compile_mode != "default":
                 common["compile_mode"] = args.compile_mode
             if compiled and args.dict_tag_guards:

@@ -29,7 +29,7 @@ import sys
 import torch
 
 import g4ops
-import g4ops.integration as integration
+import g4ops.hf.patches as patches
 from g4ops.models import build_model
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
@@ -42,8 +42,8 @@ PATCH_NAMES = {"Gemma4RMSNorm": "norm", "Gemma4TextMLP": "mlp", "Gemma4TextDecod
 
 def only_patches(keep: set[str]):
     """Make enable() patch only the classes named in `keep` (anything not in PATCH_NAMES counts as "loss")."""
-    table = integration._patch_table
-    integration._patch_table = lambda: {c: f for c, f in table().items() if PATCH_NAMES.get(c.__name__, "loss") in keep}
+    table = patches._patch_table
+    patches._patch_table = lambda: {c: f for c, f in table().items() if PATCH_NAMES.get(c.__name__, "loss") in keep}
 
 
 def main(argv=None):
@@ -102,7 +102,7 @@ def per_call(model, ids):
     for name, norm, x, g in O.record_norm_calls(model, ids):
         if g is None:  # its output needed no gradient after all
             continue
-        weight, eps = integration._norm_weight(norm), integration.norm_eps(norm)
+        weight, eps = patches._norm_weight(norm), patches.norm_eps(norm)
 
         def run(fn):
             xin = x.detach().requires_grad_(True)

@@ -3,7 +3,7 @@
 An eager LoRA step (HF Trainer's default: no torch.compile) calls `g4ops::lora_geglu_mlp` for each MLP, forward and
 backward; each call pays the op's dispatch, its input checks and, on CUDA, its inner torch.compile call
 (`G4OPS_LORA_COMPILE=0` runs the math eagerly instead). It called `g4ops::lora_linear` for each of q/k/v/o_proj too,
-until these rows showed the op's per-call cost there (g4ops.lora.EAGER_LINEAR_VIA_OP: eager projections now run
+until these rows showed the op's per-call cost there (g4ops.hf.peft_lora.EAGER_LINEAR_VIA_OP: eager projections now run
 peft's forward); the q_proj row here still times the op (this script turns the switch on). At the tiny shape timed
 here the GPU work is microseconds, so the time per call is the host's. Times 42 layers' worth of calls against an
 E4B step's GPU time (`bench/profile_steps.py --train-modes eager`) to see whether the eager step is host-bound.
@@ -13,7 +13,7 @@ E4B step's GPU time (`bench/profile_steps.py --train-modes eager`) to see whethe
 
 Each row: the case (`q_proj` or `mlp`), the implementation (`peft` or `g4ops`, g4ops routed by `g4ops.enable()`
 after peft wrapped the model, as bench/e2e.py does) and the best time per call over `--rounds` rounds of `--calls`.
-The g4ops rows record that the call took g4ops' path (`lora.runs_lora_linear`, `lora.fallback_reason`).
+The g4ops rows record that the call took g4ops' path (`g4ops.hf.peft_lora.runs_lora_linear`, `fallback_reason`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def best_us_per_call(args, call) -> float:
 
 
 def measure(args) -> list[dict]:
-    g4ops.lora.EAGER_LINEAR_VIA_OP = True  # the q_proj row times the op (module docstring)
+    g4ops.hf.peft_lora.EAGER_LINEAR_VIA_OP = True  # the q_proj row times the op (module docstring)
     rows = []
     for impl in ("peft", "g4ops"):
         with g4ops.enable() if impl == "g4ops" else contextlib.nullcontext():
@@ -74,8 +74,8 @@ def measure(args) -> list[dict]:
             for case, module in cases.items():
                 row = dict(case=case, impl=impl, tokens=args.tokens, rank=args.rank)
                 if impl == "g4ops":
-                    row["g4ops_path"] = (g4ops.lora.runs_lora_linear(module) if case == "q_proj"
-                                         else g4ops.lora.fallback_reason(module) is None)  # fmt: skip
+                    row["g4ops_path"] = (g4ops.hf.peft_lora.runs_lora_linear(module) if case == "q_proj"
+                                         else g4ops.hf.peft_lora.fallback_reason(module) is None)  # fmt: skip
                 row["us_per_call"] = best_us_per_call(args, lambda m=module: m(x).sum().backward())
                 rows.append(row)
                 print("  ".join(f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),

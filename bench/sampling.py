@@ -88,9 +88,9 @@ def run_row(args, variant: str, row: str) -> list[dict]:
 
     if variant == "g4ops":
         if args.device == "cpu":
-            import g4ops.decode
+            import g4ops.hf.generate
 
-            g4ops.decode.ROUTED_DEVICES = ("cuda", "cpu")  # the smoke run exercises the routed path on CPU
+            g4ops.hf.generate.ROUTED_DEVICES = ("cuda", "cpu")  # the smoke run exercises the routed path on CPU
         g4ops.enable()
     try:
         return _run_row(args, variant, row)

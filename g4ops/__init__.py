@@ -4,8 +4,7 @@ HF transformers' Gemma-4 modules to use them (`g4ops.enable()`)."""
 from ._build import KernelBuildError, allow_reference_fallback
 from ._build import build as build_kernels
 from ._build import status as kernel_status
-from .decode import Route, generation_route
-from .integration import disable, enable, is_enabled
+from .hf import Route, disable, enable, generation_route, is_enabled
 from .loss import linear_cross_entropy
 from .ops import decode_attention, geglu_mlp, rms_norm, sandwich_norm
 from . import optim  # g4ops.optim.AdamW

@@ -91,7 +91,7 @@ def _generate(model, prompt, new_tokens: int, compiled: bool):
 def _decode_graphed(model, prompt, new_tokens: int, compiled: bool):
     """(tokens, first-run seconds incl. capture, steady seconds) of g4ops.engine.decoder.Decoder (greedy), with
     min_new_tokens as in `_generate`."""
-    from .decode import GreedyDecoder
+    from .engine.decoder import GreedyDecoder
     from .models import special_tokens
 
     ids = special_tokens(model)
@@ -194,9 +194,9 @@ def doctor(args) -> int:
     print(f"kernels       loaded: {status['loaded']}, error: {status['error']}, "
           f"reference fallback allowed: {status['allow_reference']}")
     try:
-        from . import integration
+        from .hf import modules, patches
 
-        integration._probe(integration._gemma4())
+        patches._probe(modules.gemma4())
         print("integration   probe passed: installed transformers computes what the ops compute")
     except Exception as exc:  # report, don't crash: doctor is for diagnosing
         print(f"integration   probe FAILED: {exc}")

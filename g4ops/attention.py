@@ -25,7 +25,7 @@ Semantics (what `attention` returns is softmax(scale * q k^T + mask) v, per quer
 - `mask` (optional, bool, [B or 1, 1, L, S]: transformers' padding or packed-sequence mask): a key is visible only
   where the mask is also True. It narrows the pattern above and never widens it (keys past a query's position are
   not computed). A query row that sees no key (a left-pad query) gets output 0 and passes no gradient, as
-  `g4ops.integration` makes stock SDPA give such rows.
+  `g4ops.hf.attention_interface` makes stock SDPA give such rows.
 - Numerics: scores, the softmax and its statistics in fp32 (fp64 for fp64 inputs); every GEMM accumulates in fp32
   and the outputs and gradients are rounded once to the input dtype. bf16/fp16: the GEMMs take bf16/fp16 operands
   (tensor cores on CUDA; elsewhere the same exact products and fp32 sums on upcast operands), and the fp32 P and dS
@@ -400,7 +400,7 @@ def _flex_checked_gpu(device_index: int) -> bool:
 # Inductor's lowering raised NoValidChoicesError for per-row masks of 3 rows, "convert FlexibleLayout to FixedLayout
 # first" for the mask a compiled model builds in its graph, and one compiled kernel ended the process's CUDA context
 # (cudaErrorInvalidAddressSpace). Never run on a GPU under a newer torch: from this version on the path is let through
-# (opt-in, integration.MASKED_SLIDING_VIA_FLEX) and its CUDA tests run, so that they decide.
+# (opt-in, hf.attention_interface.MASKED_SLIDING_VIA_FLEX) and its CUDA tests run, so that they decide.
 MASKED_FLEX_MIN_TORCH = (2, 12)
 _masked_flex_warned = False
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from g4ops.integration import norm_eps
+from g4ops.hf.patches import norm_eps
 
 F64 = torch.float64
 

@@ -1,5 +1,5 @@
 """g4ops.attention (GEMM-chunked exact causal/sliding attention) against an fp64 oracle and against stock SDPA, and
-the "g4ops" attention implementation inside tiny Gemma-4 models (g4ops/integration.py, section "Attention").
+the "g4ops" attention implementation inside tiny Gemma-4 models (g4ops/patches.py, section "Attention").
 
 Every test runs on CPU; the `cuda` parametrisation runs the same checks on a GPU machine (bf16/fp16 GEMMs on tensor
 cores there, compared with the SDPA kernel torch picks on that GPU). On CPU, bf16/fp16 inputs run the GPU's
@@ -19,7 +19,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import g4ops
 from g4ops import attention as attention_module
-from g4ops import integration, reference
+from g4ops import reference
+from g4ops.hf import attention_interface
 from g4ops.attention import attention
 from g4ops.models import build_model
 
@@ -844,7 +845,7 @@ def test_model_with_g4ops_attention_matches_stock(shape, kernel_calls):
     ids = _tokens(model.config.vocab_size)
     stock = _loss_and_grads(model, ids)
     with g4ops.enable(model, attention=True):
-        assert model.config._attn_implementation == integration.ATTENTION
+        assert model.config._attn_implementation == attention_interface.ATTENTION
         ours = _loss_and_grads(model, ids)
         # eager: full layers run ours, sliding layers stock's cuDNN path (FlexAttention only compiled on CUDA)
         assert kernel_calls and all(c[2] is None for c in kernel_calls), kernel_calls
@@ -985,8 +986,8 @@ def test_mask_function_returns_stock_masks_outside_the_pure_pattern():
 
     config = build_model("tiny-e4b").config
     base = {"batch_size": 2, "q_length": 6, "kv_length": 6, "mask_function": causal_mask_function, "config": config}
-    assert integration.g4ops_mask(**base) is None
-    assert integration.g4ops_mask(**base, local_size=config.sliding_window) is None
+    assert attention_interface.g4ops_mask(**base) is None
+    assert attention_interface.g4ops_mask(**base, local_size=config.sliding_window) is None
     padding = torch.ones(2, 6, dtype=torch.bool)
     padding[1, 0] = False
     others = [
@@ -997,7 +998,7 @@ def test_mask_function_returns_stock_masks_outside_the_pure_pattern():
         dict(base, q_offset=3, kv_length=9),
     ]
     for kwargs in others:
-        ours = integration.g4ops_mask(**kwargs)
+        ours = attention_interface.g4ops_mask(**kwargs)
         stock = sdpa_mask(**dict(kwargs, allow_is_causal_skip=False))
         assert ours is not None and torch.equal(ours, stock), kwargs
 
@@ -1010,11 +1011,10 @@ def test_enable_switch_and_disable_restore():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     with g4ops.enable():
-        assert (
-            integration.ATTENTION in ALL_ATTENTION_FUNCTIONS and integration.ATTENTION in ALL_MASK_ATTENTION_FUNCTIONS
-        )
+        name = attention_interface.ATTENTION
+        assert name in ALL_ATTENTION_FUNCTIONS and name in ALL_MASK_ATTENTION_FUNCTIONS
         assert model.config._attn_implementation == "sdpa"  # the class-level enable switches no model
-    assert integration.ATTENTION not in ALL_ATTENTION_FUNCTIONS
+    assert attention_interface.ATTENTION not in ALL_ATTENTION_FUNCTIONS
 
     g4ops.enable(model)
     assert model.config._attn_implementation == "sdpa"  # attention is opt-in
@@ -1022,12 +1022,13 @@ def test_enable_switch_and_disable_restore():
         g4ops.enable(attention=True)
     g4ops.enable(model, attention=True)
     g4ops.enable(eager, attention=True)
-    assert model.config._attn_implementation == integration.ATTENTION
+    assert model.config._attn_implementation == attention_interface.ATTENTION
     assert other.config._attn_implementation == "sdpa" and eager.config._attn_implementation == "eager"
     g4ops.enable(other, attention=True)
     g4ops.disable(other)
-    assert other.config._attn_implementation == "sdpa" and model.config._attn_implementation == integration.ATTENTION
+    assert other.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == attention_interface.ATTENTION
     g4ops.disable()
     assert model.config._attn_implementation == "sdpa"
-    assert integration.ATTENTION not in ALL_ATTENTION_FUNCTIONS
-    assert integration.ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS
+    assert attention_interface.ATTENTION not in ALL_ATTENTION_FUNCTIONS
+    assert attention_interface.ATTENTION not in ALL_MASK_ATTENTION_FUNCTIONS

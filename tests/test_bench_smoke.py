@@ -90,7 +90,7 @@ def test_e2e_flex_options_reach_the_sliding_flex_call(monkeypatch):
     import g4ops.attention
 
     monkeypatch.setattr(g4ops.attention, "SLIDING_FLEX_KERNEL_OPTIONS", None)
-    monkeypatch.setattr(g4ops.integration, "SLIDING_VIA_FLEX", True)
+    monkeypatch.setattr(g4ops.hf.attention_interface, "SLIDING_VIA_FLEX", True)
     args = e2e.parse_args(["--flex-options", '{"bwd_num_warps": 8, "USE_TMA": true}'])
     e2e.use_sliding(args.sliding, args.flex_options)
     assert g4ops.attention.SLIDING_FLEX_KERNEL_OPTIONS == {"bwd_num_warps": 8, "USE_TMA": True}
@@ -113,7 +113,8 @@ def test_e2e_train_with_g4ops_attention(tmp_path):
 def test_e2e_lora_rows_route_the_attention_projections(tmp_path, eager_linear):
     """--lora: the g4ops row's MLPs run the fused LoRA MLP and its loss matches stock peft's; its attention
     projections, routed by enable(model) after peft wraps them, run peft's forward in an eager step unless
-    G4OPS_LORA_EAGER_LINEAR=op (g4ops.lora.EAGER_LINEAR_VIA_OP); the row counts those that run g4ops.lora_linear."""
+    G4OPS_LORA_EAGER_LINEAR=op (g4ops.hf.peft_lora.EAGER_LINEAR_VIA_OP); the row counts those that run
+    g4ops.lora_linear."""
     out = tmp_path / "e2e.json"
     env = _without_switches() | ({"G4OPS_LORA_EAGER_LINEAR": eager_linear} if eager_linear else {})
     _run(["bench/e2e.py", "--device", "cpu", "--shape", "tiny-e4b", "--smoke", "--parts", "train", "--variants",

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import g4ops
-from g4ops import integration
+from g4ops.hf import patches
 from g4ops.models import build_model
 
 hf = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
@@ -148,6 +148,6 @@ def test_patched_layer_class_keeps_transformers_checkpoint_wrapper_outermost():
     with g4ops.enable():
         patched = hf.Gemma4TextDecoderLayer.forward
         assert patched is not stock
-        assert integration._is_checkpoint_wrapper(patched) == integration._is_checkpoint_wrapper(stock)
-        assert integration._stock_forward_of(hf.Gemma4TextDecoderLayer) is integration._unwrap_checkpoint(stock)
+        assert patches._is_checkpoint_wrapper(patched) == patches._is_checkpoint_wrapper(stock)
+        assert patches._stock_forward_of(hf.Gemma4TextDecoderLayer) is patches._unwrap_checkpoint(stock)
     assert hf.Gemma4TextDecoderLayer.forward is stock

@@ -234,9 +234,9 @@ def test_suppress_tokens_like_generate():
 
 @pytest.fixture
 def route_cpu(monkeypatch):
-    import g4ops.decode as decode
+    from g4ops.hf import generate as hf_generate
 
-    monkeypatch.setattr(decode, "ROUTED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(hf_generate, "ROUTED_DEVICES", ("cuda", "cpu"))
     yield
     g4ops.disable()
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import g4ops
-import g4ops.decode as decode
+from g4ops.hf import generate as hf_generate
 from g4ops.models import build_model, tiny_tokenizer
 from devices import DEVICES
 
@@ -33,7 +33,7 @@ def model():
 
 @pytest.fixture
 def routing(monkeypatch):
-    monkeypatch.setattr(decode, "ROUTED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(hf_generate, "ROUTED_DEVICES", ("cuda", "cpu"))
     yield
     g4ops.disable()
 
@@ -208,7 +208,7 @@ def test_unsupported_arguments_run_stock_and_say_why(model, routing, kw, names):
 def test_a_stock_call_logs_its_reason_once(model, routing, caplog):
     ids, mask = _prompts(batch=2)
     g4ops.enable()
-    decode._logged_reasons.clear()
+    hf_generate._logged_reasons.clear()
     with caplog.at_level(logging.INFO, logger="g4ops"):
         for _ in range(2):
             _gen(model, ids, mask, max_new_tokens=2, no_repeat_ngram_size=2)
@@ -403,11 +403,10 @@ def test_cuda_sampled_call_compiles_the_step_and_reproduces(cache):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_cuda_compile_prefill_switch_reaches_the_routed_decoder(monkeypatch):
-    """G4OPS_COMPILE_PREFILL=1 (read at import into decode.COMPILE_PREFILL) gives the routed call a compiled prefill
+    """G4OPS_COMPILE_PREFILL=1 (read at import into hf_generate.COMPILE_PREFILL) gives the routed call a compiled prefill
     beside its compiled step; fp32 greedy tokens stay stock's."""
-    from g4ops import decode
 
-    monkeypatch.setattr(decode, "COMPILE_PREFILL", True)
+    monkeypatch.setattr(hf_generate, "COMPILE_PREFILL", True)
     model = build_model("tiny-e4b", device="cuda")
     ids, mask = (t.cuda() for t in _prompts())
     stock = _gen(model, ids, mask, max_new_tokens=24, do_sample=False, eos_token_id=1)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import g4ops
-from g4ops import integration
+from g4ops.hf import patches
 from g4ops.models import build_model
 
 hf = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
@@ -59,7 +59,7 @@ def test_enabled_model_matches_stock_logits_loss_and_every_gradient(shape):
     ids = _tokens(model.config.vocab_size)
     logits0, loss0, grads0 = _loss_and_grads(model, ids)
     with g4ops.enable():
-        assert integration.mlp_uses_g4ops(model.model.layers[0].mlp)
+        assert patches.mlp_uses_g4ops(model.model.layers[0].mlp)
         logits1, loss1, grads1 = _loss_and_grads(model, ids)
     assert _rel(logits1, logits0) <= FP32_RTOL
     assert abs(loss1.item() - loss0.item()) <= FP32_RTOL * abs(loss0.item())
@@ -76,7 +76,7 @@ def test_ops_are_actually_called_when_enabled(monkeypatch):
             return fn(*args, **kwargs)
         return wrapper
 
-    integration._probe_once(hf)  # the first enable() of a process probes the ops once: not the model's calls
+    patches._probe_once(hf)  # the first enable() of a process probes the ops once: not the model's calls
     for name in calls:
         monkeypatch.setattr(g4ops.ops, name, count(name, getattr(g4ops.ops, name)))
     model = build_model("tiny-e4b")
@@ -182,12 +182,12 @@ def test_norm_variants_towers_and_no_weight():
 def test_probe_refuses_a_transformers_whose_norm_semantics_changed(monkeypatch):
     def offset_forward(self, x):  # Gemma-3 style (1 + w): not what g4ops computes
         xf = x.float()
-        return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + integration.norm_eps(self), -0.5)
+        return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + patches.norm_eps(self), -0.5)
                 * (1 + self.weight.float())).type_as(x)
 
     monkeypatch.setattr(hf.Gemma4RMSNorm, "forward", offset_forward)
     with pytest.raises(RuntimeError, match="Gemma4RMSNorm no longer computes"):
-        integration._probe(hf)
+        patches._probe(hf)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
@@ -214,9 +214,9 @@ def test_peft_lora_adapter_gradients_match_stock(targets):
         mlp = base.model.layers[0].mlp
         # mlp_uses_g4ops: the plain fused op, on an untouched MLP; one with LoRA projections runs the LoRA op
         # instead (g4ops.lora, tests/test_lora.py), with no reason to fall back
-        assert integration.mlp_uses_g4ops(mlp) == ("gate_proj" not in targets)
+        assert patches.mlp_uses_g4ops(mlp) == ("gate_proj" not in targets)
         if "gate_proj" in targets:
-            from g4ops.lora import fallback_reason
+            from g4ops.hf.peft_lora import fallback_reason
 
             assert fallback_reason(mlp) is None
         _, loss1, grads1 = _loss_and_grads(model, ids)
@@ -320,12 +320,12 @@ def test_compiled_static_cache_generate_matches_eager():
 
 def test_first_enable_leaves_a_seeded_rng_alone(monkeypatch):
     """enable()'s one-time probe builds nn.Linear layers (random inits); a user's seeded stream must not move."""
-    monkeypatch.setattr(integration, "_probed", False)
+    monkeypatch.setattr(patches, "_probed", False)
     torch.manual_seed(1234)
     expected = torch.rand(5)
     torch.manual_seed(1234)
     g4ops.enable()
-    assert integration._probed  # the probe really ran inside this enable()
+    assert patches._probed  # the probe really ran inside this enable()
     assert torch.equal(torch.rand(5), expected)
 
 

@@ -21,7 +21,8 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import g4ops
-from g4ops import integration, lora
+from g4ops import lora
+from g4ops.hf import patches, peft_lora
 from g4ops.models import build_model, text_config
 
 try:
@@ -141,7 +142,7 @@ def test_fp32_matches_peft_and_takes_the_fused_path(device, targets):
     ours = _run(model, x, grad_out, enabled=True)
     _assert_matches_stock(stock, ours, device)
     assert all(ours[3].get(op) == 1 for op in FUSED_TRAIN), ours[3]
-    assert lora.fallback_reason(model.base_model.model.mlp) is None
+    assert peft_lora.fallback_reason(model.base_model.model.mlp) is None
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -210,7 +211,7 @@ def test_autocast_takes_the_fused_path_no_worse_than_peft(device, model_dtype):
     ours = _run(model, x, grad_out, enabled=True, autocast=BF16)
     assert all(ours[3].get(op) == 1 for op in FUSED_TRAIN), ours[3]
     with g4ops.enable(), torch.autocast(device, dtype=BF16):
-        assert lora.fallback_reason(model.base_model.model.mlp) is None
+        assert peft_lora.fallback_reason(model.base_model.model.mlp) is None
     assert (ours[0].dtype, ours[1].dtype) == (stock[0].dtype, stock[1].dtype) == (BF16, model_dtype)
     assert all(ours[2][name].dtype == g.dtype for name, g in stock[2].items())
     O.assert_run_no_worse_than_stock(ours, stock, truth, INTER, TOKENS[0] * TOKENS[1], BF16)
@@ -445,7 +446,7 @@ def test_merged_disabled_and_unmerged_adapters(device, caplog):
 )
 def test_unsupported_variants_keep_peft_forward_and_log(settings, reason, caplog):
     caplog.set_level(logging.INFO, logger="g4ops")
-    lora._logged.clear()
+    peft_lora._logged.clear()
     hook = settings.pop("hook", False)
     model = _mlp_model(**settings).train()
     if hook:
@@ -456,7 +457,7 @@ def test_unsupported_variants_keep_peft_forward_and_log(settings, reason, caplog
     assert torch.equal(stock[0], ours[0]) and ours[3] == {}  # peft's own forward, not g4ops'
     for name in stock[2]:
         assert torch.equal(stock[2][name], ours[2][name]), name
-    assert reason in caplog.text and reason in lora.fallback_reason(model.base_model.model.mlp)
+    assert reason in caplog.text and reason in peft_lora.fallback_reason(model.base_model.model.mlp)
     records = [r for r in caplog.records if r.name == "g4ops" and reason in r.getMessage()]
     assert len(records) == 1, "the reason is logged once"
     ours = _run(model, x, grad_out, True)
@@ -766,8 +767,8 @@ def test_outer_compile_replays_graphs_says_when_it_cannot_tell(monkeypatch, capl
 def test_tiny_model_lora_on_all_projections_matches_stock(device, attention, monkeypatch):
     """The attention projections are module calls inside Gemma4TextAttention: enable(model) gives their peft layers
     g4ops' forward (`g4ops::lora_linear`, tests/test_lora_linear.py); the class-wide enable() leaves them to peft.
-    Eager calls of the op are turned on here (by default they run peft's forward: `lora.EAGER_LINEAR_VIA_OP`)."""
-    monkeypatch.setattr(lora, "EAGER_LINEAR_VIA_OP", True)
+    Eager calls of the op are turned on here (by default they run peft's forward: `peft_lora.EAGER_LINEAR_VIA_OP`)."""
+    monkeypatch.setattr(peft_lora, "EAGER_LINEAR_VIA_OP", True)
     base = build_model("tiny-e4b").to(device)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
@@ -794,7 +795,7 @@ def test_tiny_model_lora_on_all_projections_matches_stock(device, attention, mon
     used = implementations[-1]
     layers = base.config.num_hidden_layers
     assert all(calls.get(op) == layers for op in FUSED_TRAIN), calls
-    projections = sum(lora.is_peft_lora_layer(getattr(layer.self_attn, name, None))
+    projections = sum(peft_lora.is_peft_lora_layer(getattr(layer.self_attn, name, None))
                       for layer in base.model.layers for name in ("q_proj", "k_proj", "v_proj", "o_proj"))  # fmt: skip
     assert projections > 2 * layers  # KV-shared layers have no k/v_proj
     linear = ("g4ops.lora_linear_forward.default", "g4ops.lora_linear_backward.default")
@@ -880,7 +881,7 @@ def test_norm_calls_of_the_model_are_no_worse_than_stock(device):
         return y.detach(), torch.autograd.grad(y, x, g)[0]
 
     for _, module, x, g in calls:
-        weight, eps = (module.weight if module.with_scale else None), integration.norm_eps(module)
+        weight, eps = (module.weight if module.with_scale else None), patches.norm_eps(module)
         exact = O.rms_norm(x, weight, eps), O.rms_norm_grads(g, x, weight, eps)[0]
         ours = y_and_dx(lambda t: g4ops.rms_norm(t, weight, eps), x, g)
         stock = y_and_dx(module, x, g)
@@ -989,7 +990,7 @@ _USER_CONFIGS = {
 def test_user_peft_configs_train_like_stock(name, monkeypatch):
     """Loss and every trainable gradient of a 4-layer tiny model equal stock peft's up to fp32 reassociation, with
     the fused path taken wherever a config leaves plain LoRA on an MLP."""
-    monkeypatch.setattr(lora, "_logged", set())  # its fallback reasons are said once: not on behalf of later tests
+    monkeypatch.setattr(peft_lora, "_logged", set())  # its fallback reasons are said once: not on behalf of later tests
     model = build_model("tiny-e4b", num_layers=4).train()
     if name == "dropout-checkpointing":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

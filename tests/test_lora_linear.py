@@ -6,7 +6,7 @@ base), what falls back to peft and says so, disable(), and torch.compile without
 
 The module under test is one Gemma4TextAttention of odd width whose q_proj and o_proj a small holder calls in a row
 (the routing is per projection; tests/test_lora.py runs the whole tiny model with LoRA on every projection).
-Eager calls of a routed projection run peft's forward by default (`lora.EAGER_LINEAR_VIA_OP`, faster there): the
+Eager calls of a routed projection run peft's forward by default (`peft_lora.EAGER_LINEAR_VIA_OP`, faster there): the
 tests here turn the op on in eager to check it; `test_eager_calls_run_peft_by_default` and the compile test check
 the default.
 """
@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import g4ops
 from g4ops import lora
+from g4ops.hf import peft_lora
 from g4ops.models import text_config
 
 try:
@@ -44,7 +45,7 @@ TRAIN = ("g4ops.lora_linear_forward.default", "g4ops.lora_linear_backward.defaul
 
 @pytest.fixture(autouse=True)
 def _always_disabled(monkeypatch):
-    monkeypatch.setattr(lora, "EAGER_LINEAR_VIA_OP", True)  # the op, as a compiled model runs it (module docstring)
+    monkeypatch.setattr(peft_lora, "EAGER_LINEAR_VIA_OP", True)  # the op, as a compiled model runs it (docstring)
     g4ops.disable()
     with g4ops.enable():  # the one-time probe draws from the global generator: here, not inside a test
         pass
@@ -142,8 +143,8 @@ def test_several_active_adapters(device):
 def test_eager_calls_run_peft_by_default(device, monkeypatch, caplog):
     """Eager (HF Trainer's default), the routed projections run peft's forward, bitwise stock, and say so once;
     compiled, they take g4ops' path (test_compiled_fullgraph_has_no_graph_breaks_and_matches_eager)."""
-    monkeypatch.setattr(lora, "EAGER_LINEAR_VIA_OP", False)
-    monkeypatch.setattr(lora, "_logged", set())
+    monkeypatch.setattr(peft_lora, "EAGER_LINEAR_VIA_OP", False)
+    monkeypatch.setattr(peft_lora, "_logged", set())
     caplog.set_level(logging.INFO, logger="g4ops")
     model = _model(device, lora_dropout=0.3).train()
     x, grad_out = _inputs(device, F32, model)
@@ -240,7 +241,7 @@ def test_merged_and_disabled_adapters_run_the_base_layer(device):
 
 
 def test_unsupported_variant_keeps_peft_forward_and_says_why(caplog, monkeypatch):
-    monkeypatch.setattr(lora, "_logged", set())  # a reason is said once per process: an earlier test may have said it
+    monkeypatch.setattr(peft_lora, "_logged", set())  # said once per process: an earlier test may have said it
     model = _model(use_dora=True).train()
     x, grad_out = _inputs("cpu", F32, model)
     caplog.set_level(logging.INFO, logger="g4ops")
@@ -253,7 +254,7 @@ def test_enable_model_routes_and_disable_restores():
     model = _model()
     projections = [model.base_model.model.attn.q_proj, model.base_model.model.attn.o_proj]
     with g4ops.enable(model):
-        assert all(hasattr(p.forward.__func__, lora.LINEAR_FORWARD_MARK) for p in projections)
+        assert all(hasattr(p.forward.__func__, peft_lora.LINEAR_FORWARD_MARK) for p in projections)
         g4ops.enable(model)  # idempotent: the projection keeps the one forward
         assert g4ops.is_enabled(model)
     assert all("forward" not in vars(p) for p in projections)
@@ -271,7 +272,7 @@ def test_class_wide_enable_says_the_attention_projections_keep_peft(caplog):
     model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj", "gate_proj"]))
     ids = torch.tensor([[5, 6, 7, 8]])
     caplog.set_level(logging.INFO, logger="g4ops")
-    lora._logged.discard("unrouted")
+    peft_lora._logged.discard("unrouted")
     counter = G4opsCalls()
     with torch.no_grad(), g4ops.enable(), counter:
         model(ids)
@@ -370,7 +371,7 @@ def test_compiled_fullgraph_has_no_graph_breaks_and_matches_eager(device, monkey
     model = _model(device).train()
     eager_op = _run(model, *_inputs(device, F32, model), True)[3]
     assert all(eager_op.get(op) == 2 for op in TRAIN), eager_op
-    monkeypatch.setattr(lora, "EAGER_LINEAR_VIA_OP", False)  # the default: eager runs peft, a compile g4ops' math
+    monkeypatch.setattr(peft_lora, "EAGER_LINEAR_VIA_OP", False)  # the default: eager runs peft, a compile g4ops' math
     x, grad_out = _inputs(device, F32, model)
     eager = _run(model, x, grad_out, True)
     with g4ops.enable(model):

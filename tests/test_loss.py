@@ -628,7 +628,7 @@ def _loss_and_grads(model, **kw):
 def _patched(model):
     from transformers import Gemma4ForCausalLM
 
-    from g4ops.hf_loss import make_causal_lm_forward
+    from g4ops.hf.causal_lm import make_causal_lm_forward
 
     model.forward = types.MethodType(make_causal_lm_forward(Gemma4ForCausalLM.forward), model)
     return model
@@ -1032,7 +1032,7 @@ def test_hf_fused_forward_conditional_generation():
         pytest.skip("no Gemma4ForConditionalGeneration in this transformers")
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    from g4ops.hf_loss import make_causal_lm_forward
+    from g4ops.hf.causal_lm import make_causal_lm_forward
     from g4ops.models import randomize_norms_and_scalars, text_config
 
     try:

@@ -10,7 +10,7 @@ gradient accumulation), the logits of every real token and every parameter gradi
 - in float64 with g4ops enabled: equal to the oracle within fp64 reassociation noise (`EXACT`);
 - in float32: g4ops' error against the oracle no larger than stock's on the same batch (tests/oracle.py's bar).
 
-What transformers gets wrong and g4ops must not (g4ops/integration.py, section "Attention"): with a cache
+What transformers gets wrong and g4ops must not (g4ops/patches.py, section "Attention"): with a cache
 (use_cache=True, the config's default outside Trainer) transformers builds no packed mask and the sequences see each
 other (`test_stock_packed_with_a_cache_mixes_sequences` shows the bar catches that); fully masked query rows are
 reported to give NaN on CUDA sdpa (transformers issue 45201: NaN losses at batch > 1 with padding), so no mask g4ops
@@ -32,7 +32,7 @@ from transformers import DataCollatorWithFlattening
 
 import g4ops
 from g4ops import attention as attention_module
-from g4ops import integration
+from g4ops.hf import attention_interface
 from g4ops.models import build_model
 
 try:
@@ -209,7 +209,7 @@ def kernel_masks(monkeypatch):
 def _g4ops_model(dtype, device):
     model = _model(dtype, device)
     g4ops.enable(model, attention=True)
-    assert model.config._attn_implementation == integration.ATTENTION
+    assert model.config._attn_implementation == attention_interface.ATTENTION
     return model
 
 
@@ -235,14 +235,14 @@ def test_batch_in_fp64_equals_each_sequence_alone(device, layout, use_cache, ker
 @pytest.mark.parametrize("layout", ["packed-transformers", "packed-trl", "right-padded", "left-padded"])
 def test_sliding_layers_on_g4ops_attention_with_the_batch_mask_equal_each_sequence_alone(device, layout,
                                                                                          kernel_masks, monkeypatch):
-    """integration.MASKED_SLIDING_VIA_G4OPS (G4OPS_MASKED_SLIDING=g4ops, opt-in): a padded or packed batch's sliding
-    layers run g4ops.attention with the window and the batch's mask too, so every layer of both forwards does; loss,
+    """attention_interface.MASKED_SLIDING_VIA_G4OPS (G4OPS_MASKED_SLIDING=g4ops, opt-in): a padded or packed
+    batch's sliding layers run g4ops.attention with the window and the batch's mask too, so every layer of both forwards does; loss,
     logits and gradients equal each sequence's alone in fp64 (the pad run of 9 leaves sliding rows without a key)."""
     seqs, oracle = _oracle(device)
     batch, places = BATCHES[layout]([s.cpu() for s in seqs])
     model = _g4ops_model(F64, device)
-    assert not integration.MASKED_SLIDING_VIA_G4OPS or os.environ.get("G4OPS_MASKED_SLIDING") == "g4ops"
-    monkeypatch.setattr(integration, "MASKED_SLIDING_VIA_G4OPS", True)
+    assert not attention_interface.MASKED_SLIDING_VIA_G4OPS or os.environ.get("G4OPS_MASKED_SLIDING") == "g4ops"
+    monkeypatch.setattr(attention_interface, "MASKED_SLIDING_VIA_G4OPS", True)
     errs = _errors(_run(model, _on(batch, device), _items(seqs), use_cache=False), oracle, places)
     assert kernel_masks == [True] * 2 * model.config.num_hidden_layers, kernel_masks
     bound = O.tolerance(torch.float32, k=model.config.vocab_size) if layout in SHIFTED_POSITIONS else EXACT
@@ -411,7 +411,7 @@ def _compiled_packed_training(device: str, backend: str):
 @pytest.mark.slow  # Dynamo tracing the model's forward and backward: 90 s on the loaded 2-core machine
 @pytest.mark.parametrize("masked_g4ops", [False, True], ids=["sdpa-sliding", "g4ops-sliding"])
 def test_compiled_packed_training_matches_eager_and_a_cache_is_refused(monkeypatch, masked_g4ops):
-    monkeypatch.setattr(integration, "MASKED_SLIDING_VIA_G4OPS", masked_g4ops)
+    monkeypatch.setattr(attention_interface, "MASKED_SLIDING_VIA_G4OPS", masked_g4ops)
     # aot_eager: Dynamo and AOTAutograd trace what Inductor would get (the masks transformers builds while tracing,
     # the device assert), in seconds instead of the minutes Inductor's CPU codegen takes on 2 cores; Inductor itself
     # runs on CUDA below (and test_attention.py compiles the model with it on CPU)
@@ -424,8 +424,8 @@ def test_compiled_packed_training_matches_eager_and_a_cache_is_refused(monkeypat
                          marks=NEEDS_MASKED_FLEX_TORCH), (False, True)],
                          ids=["sdpa-sliding", "flex-sliding", "g4ops-sliding"])  # fmt: skip
 def test_compiled_packed_training_on_cuda_with_inductor(monkeypatch, flex_masks, masked_flex, masked_g4ops):
-    monkeypatch.setattr(integration, "MASKED_SLIDING_VIA_FLEX", masked_flex)
-    monkeypatch.setattr(integration, "MASKED_SLIDING_VIA_G4OPS", masked_g4ops)
+    monkeypatch.setattr(attention_interface, "MASKED_SLIDING_VIA_FLEX", masked_flex)
+    monkeypatch.setattr(attention_interface, "MASKED_SLIDING_VIA_G4OPS", masked_g4ops)
     _compiled_packed_training("cuda", "inductor")
     # with it on, the sliding layers ran FlexAttention with the packed mask
     assert flex_masks == ([True] * len(flex_masks) if masked_flex else []) and (flex_masks or not masked_flex)
@@ -461,7 +461,7 @@ def test_sliding_layers_on_flex_with_the_batch_mask_equal_each_sequence_alone(mo
     with torch.no_grad():
         model(**inputs, use_cache=False)
         assert not flex_masks, "MASKED_SLIDING_VIA_FLEX is off by default"
-        monkeypatch.setattr(integration, "MASKED_SLIDING_VIA_FLEX", True)
+        monkeypatch.setattr(attention_interface, "MASKED_SLIDING_VIA_FLEX", True)
         logits = model(**inputs, use_cache=False).logits
     assert flex_masks == [True] * model.config.layer_types.count("sliding_attention"), flex_masks
     ours = torch.cat([logits[row, at] for row, at in places])
@@ -480,7 +480,7 @@ def test_masked_flex_stays_off_under_torch_2_11_and_says_why(monkeypatch, flex_m
     monkeypatch.setattr(attention_module, "flex_sliding_usable", lambda query: True)
     monkeypatch.setattr(versions, "torch_version", lambda: (2, 11))
     monkeypatch.setattr(attention_module, "_masked_flex_warned", False)
-    monkeypatch.setattr(integration, "MASKED_SLIDING_VIA_FLEX", True)
+    monkeypatch.setattr(attention_interface, "MASKED_SLIDING_VIA_FLEX", True)
     model = _g4ops_model(F64, "cpu")
     with torch.no_grad(), pytest.warns(UserWarning, match=r"needs torch >= 2\.12.*stock SDPA") as caught:
         logits = model(**inputs, use_cache=False).logits

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import g4ops
-from g4ops import integration, lora
+from g4ops.hf import attention_interface, patches, peft_lora
 from g4ops.models import build_model, tiny_tokenizer
 
 try:
@@ -88,7 +88,7 @@ def _run(make_trainer, with_g4ops: bool):
     if with_g4ops:
         g4ops.enable()
         g4ops.enable(model, attention=True)
-        assert model.config._attn_implementation == integration.ATTENTION
+        assert model.config._attn_implementation == attention_interface.ATTENTION
     trainer = make_trainer(model)
     if with_g4ops:  # after the trainer wrapped the model (TRL applies peft_config): what a LoRA user calls
         g4ops.enable(trainer.model)
@@ -101,9 +101,10 @@ def _assert_attention_lora_routed(model) -> None:
     """Every peft LoRA layer on an attention projection is routed to g4ops.lora_linear (g4ops/lora.py: a compiled
     model runs it; eager calls, as here, run peft's forward)."""
     layers = [getattr(m, name) for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"
-              for name in integration._ATTENTION_PROJECTIONS if lora.is_peft_lora_layer(getattr(m, name, None))]  # fmt: skip
-    routed = [p for p in layers if lora.runs_lora_linear(p)]
-    if any(lora.is_peft_lora_layer(m) for m in model.modules()):  # a LoRA run: its attention has adapters
+              for name in patches._ATTENTION_PROJECTIONS
+              if peft_lora.is_peft_lora_layer(getattr(m, name, None))]  # fmt: skip
+    routed = [p for p in layers if peft_lora.runs_lora_linear(p)]
+    if any(peft_lora.is_peft_lora_layer(m) for m in model.modules()):  # a LoRA run: its attention has adapters
         assert layers, "no peft LoRA layer found on the attention projections"
     assert len(routed) == len(layers), f"{len(layers) - len(routed)} of {len(layers)} attention LoRA layers on peft"
 
@@ -218,8 +219,8 @@ def test_trl_sft_with_its_default_bf16_autocast(tmp_path):
 def test_trl_sft_lora_under_its_default_bf16_autocast(tmp_path):
     """TRL's default bf16=True with a LoRA adapter on every projection, padded batches: accelerate runs the forward
     under autocast, where the MLP's adapters run g4ops' LoRA op (they kept peft's forward there before: no LoRA op
-    ran) and the attention projections', routed, run peft's forward, as eager calls do (`lora.EAGER_LINEAR_VIA_OP`);
-    the curve is stock's to bf16 rounding (8 units of it on the loss)."""
+    ran) and the attention projections', routed, run peft's forward, as eager calls do
+    (`peft_lora.EAGER_LINEAR_VIA_OP`); the curve is stock's to bf16 rounding (8 units of it on the loss)."""
     pytest.importorskip("trl")
     from peft import LoraConfig
 

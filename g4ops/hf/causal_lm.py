@@ -18,8 +18,8 @@ Loss semantics are HF's `ForCausalLMLoss` exactly:
 
 Everything else runs the stock forward unchanged: no labels, eval mode (so `model.eval()` + labels still returns
 logits, which evaluation loops with metrics need), `logits_to_keep != 0`, a custom loss (`model.loss_function = ...`
-or a `loss_type` whose HF loss is not ForCausalLMLoss), or an `lm_head` that is not a plain bias-free `nn.Linear` (peft-wrapped,
-quantized or hooked: its own forward must run).
+or a `loss_type` whose HF loss is not ForCausalLMLoss), or an `lm_head` that is not a plain bias-free `nn.Linear`
+(peft-wrapped, quantized or hooked: its own forward must run).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import inspect
 
 import torch.nn.functional as F
 
-from .integration import _MARK, _is_plain_linear
-from .loss import linear_cross_entropy
+from ..loss import linear_cross_entropy
+from .modules import MARK, is_plain_linear
 
 
 
@@ -81,7 +81,7 @@ def _fused_applies(model, arguments: dict, causal_types: frozenset) -> bool:
         and logits_to_keep == 0
         and "_loss_function" not in vars(model)
         and loss_type in causal_types
-        and _is_plain_linear(getattr(model, "lm_head", None))
+        and is_plain_linear(getattr(model, "lm_head", None))
     )
 
 
@@ -154,5 +154,5 @@ def make_causal_lm_forward(stock_forward):
 
     # functools.wraps copied __wrapped__, which would make inspect and transformers see the stock signature; that is
     # what we want (same parameters), but the mark must point at what we replaced.
-    setattr(forward, _MARK, stock_forward)
+    setattr(forward, MARK, stock_forward)
     return forward

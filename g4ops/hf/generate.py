@@ -28,8 +28,7 @@ import weakref
 
 import torch
 
-from .engine.decoder import GreedyDecoder  # noqa: F401 - the CLI's name
-from .engine.decoder import PENALTY_WITH_PADDING, Decoder, as_id_list, prefill_width
+from ..engine.decoder import PENALTY_WITH_PADDING, Decoder, as_id_list, prefill_width
 
 logger = logging.getLogger("g4ops")
 
