@@ -3,10 +3,9 @@ kernels): which peft layers the ops reproduce exactly, their base weights and ad
 forwards g4ops.hf.patches installs, and why a layer keeps peft's own forward.
 
 Not implemented, so peft's own forward runs and `lora_mlp_forward` below says why once at INFO on the "g4ops"
-logger:
-LoRA variants (DoRA, aLoRA, ... anything in peft's `lora_variant`), `lora_bias`, a dropout module other than a
-plain nn.Dropout, a base layer that is not a plain bias-free
-nn.Linear (quantized bases use other peft classes), `fan_in_fan_out`, hooks on the peft layer (peft's mixed-batch
+logger (`fallback_reason` answers anytime): LoRA variants (DoRA, aLoRA, ... anything in peft's `lora_variant`),
+`lora_bias`, a dropout module other than a plain nn.Dropout, a base layer that is not a plain bias-free nn.Linear
+(quantized bases use other peft classes), `fan_in_fan_out`, hooks on the peft layer (peft's mixed-batch
 `adapter_names` inference is such a hook), and adapters merged but disabled (peft unmerges them inside its forward).
 
 Under torch.autocast (HF Trainer's and TRL's bf16=True: accelerate wraps the model's forward in it), peft's layers
