@@ -1,5 +1,5 @@
 """g4ops.attention (GEMM-chunked exact causal/sliding attention) against an fp64 oracle and against stock SDPA, and
-the "g4ops" attention implementation inside tiny Gemma-4 models (g4ops/patches.py, section "Attention").
+the "g4ops" attention implementation inside tiny Gemma-4 models (g4ops/hf/attention_interface.py).
 
 Every test runs on CPU; the `cuda` parametrisation runs the same checks on a GPU machine (bf16/fp16 GEMMs on tensor
 cores there, compared with the SDPA kernel torch picks on that GPU). On CPU, bf16/fp16 inputs run the GPU's

@@ -403,8 +403,8 @@ def test_cuda_sampled_call_compiles_the_step_and_reproduces(cache):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_cuda_compile_prefill_switch_reaches_the_routed_decoder(monkeypatch):
-    """G4OPS_COMPILE_PREFILL=1 (read at import into hf_generate.COMPILE_PREFILL) gives the routed call a compiled prefill
-    beside its compiled step; fp32 greedy tokens stay stock's."""
+    """G4OPS_COMPILE_PREFILL=1 (read at import into hf_generate.COMPILE_PREFILL) gives the routed call a compiled
+    prefill beside its compiled step; fp32 greedy tokens stay stock's."""
 
     monkeypatch.setattr(hf_generate, "COMPILE_PREFILL", True)
     model = build_model("tiny-e4b", device="cuda")

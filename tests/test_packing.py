@@ -10,7 +10,7 @@ gradient accumulation), the logits of every real token and every parameter gradi
 - in float64 with g4ops enabled: equal to the oracle within fp64 reassociation noise (`EXACT`);
 - in float32: g4ops' error against the oracle no larger than stock's on the same batch (tests/oracle.py's bar).
 
-What transformers gets wrong and g4ops must not (g4ops/patches.py, section "Attention"): with a cache
+What transformers gets wrong and g4ops must not (g4ops/hf/attention_interface.py): with a cache
 (use_cache=True, the config's default outside Trainer) transformers builds no packed mask and the sequences see each
 other (`test_stock_packed_with_a_cache_mixes_sequences` shows the bar catches that); fully masked query rows are
 reported to give NaN on CUDA sdpa (transformers issue 45201: NaN losses at batch > 1 with padding), so no mask g4ops
@@ -236,8 +236,8 @@ def test_batch_in_fp64_equals_each_sequence_alone(device, layout, use_cache, ker
 def test_sliding_layers_on_g4ops_attention_with_the_batch_mask_equal_each_sequence_alone(device, layout,
                                                                                          kernel_masks, monkeypatch):
     """attention_interface.MASKED_SLIDING_VIA_G4OPS (G4OPS_MASKED_SLIDING=g4ops, opt-in): a padded or packed
-    batch's sliding layers run g4ops.attention with the window and the batch's mask too, so every layer of both forwards does; loss,
-    logits and gradients equal each sequence's alone in fp64 (the pad run of 9 leaves sliding rows without a key)."""
+    batch's sliding layers run g4ops.attention with the window and the batch's mask too, so every layer of both
+    forwards does; loss, logits and gradients equal each sequence's alone in fp64 (the pad run of 9 leaves sliding rows without a key)."""
     seqs, oracle = _oracle(device)
     batch, places = BATCHES[layout]([s.cpu() for s in seqs])
     model = _g4ops_model(F64, device)

@@ -1,7 +1,6 @@
 """`g4ops.enable()`: make HF transformers' Gemma-4 modules call the g4ops ops, at run time, reversibly.
 
-The module patches of g4ops.hf, the package that knows transformers' Gemma-4 classes and quirks (design.md section
-5):
+The module patches of g4ops.hf, the package that knows transformers' Gemma-4 classes and quirks (design.md 5):
 - `Gemma4RMSNorm.forward` -> `g4ops.rms_norm` (no `1 + w` offset; `with_scale=False` norms have no weight; the
   vision/audio towers reuse the class at other widths, which the op handles).
 - `Gemma4TextMLP.forward` -> `g4ops.geglu_mlp`, but only when the three projections are plain `nn.Linear` without
@@ -56,6 +55,7 @@ from torch import nn
 
 from .. import ops
 from . import attention_interface, peft_lora
+from .causal_lm import make_causal_lm_forward
 from .generate import _STOCK_GENERATE, make_generate, release_decoders
 from .modules import HF_MODULE, MARK, gemma4, is_plain_linear, is_plain_tensor
 
@@ -64,6 +64,7 @@ _GELU_TANH_NAMES = {"gelu_pytorch_tanh"}  # ACT2FN names whose function is gelu(
 
 # ----------------------------------------------------------------------------------------------------------------
 # Replacement forwards
+
 
 def _make_norm_forward(stock_forward):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -93,9 +94,8 @@ def _gelu_tanh_mlp(mlp: nn.Module) -> bool:
 
 
 def mlp_uses_g4ops(mlp: nn.Module) -> bool:
-    """Whether a Gemma4TextMLP can run as one geglu_mlp op (else g4ops.lora's LoRA path or its stock forward)."""
-    return _gelu_tanh_mlp(mlp) and all(is_plain_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj",
-                                                                                          "down_proj"))  # fmt: skip
+    """Whether a Gemma4TextMLP can run as one geglu_mlp op (else peft_lora's LoRA path or its stock forward)."""
+    return _gelu_tanh_mlp(mlp) and all(is_plain_linear(getattr(mlp, n, None)) for n in peft_lora.MLP_PROJECTIONS)
 
 
 def _make_mlp_forward(stock_forward):
@@ -288,8 +288,6 @@ def _instance_forward(module: nn.Module, make_forward):
 def _patch_table() -> dict[type, callable]:
     """Class -> factory of its replacement forward."""
     hf = gemma4()
-    from .causal_lm import make_causal_lm_forward
-
     table = {
         hf.Gemma4RMSNorm: _make_norm_forward,
         hf.Gemma4TextMLP: _make_mlp_forward,
