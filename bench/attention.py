@@ -1,4 +1,4 @@
-"""Attention micro-benchmark: stock SDPA as transformers calls it vs the "g4ops" attention (g4ops/attention.py), at
+"""Attention micro-benchmark: stock SDPA as transformers calls it vs the "g4ops" attention (g4ops/ops/attention.py), at
 Gemma-4 E4B attention shapes: B=1, 8 query / 2 kv heads, bf16, scaling 1.0;
 full layers: head_dim 512, causal (transformers passes no mask: SDPA is_causal; flash/cuDNN refuse head_dim 512);
 sliding layers: head_dim 256, window 512 (transformers passes a dense [L, L] boolean mask once L >= 512).

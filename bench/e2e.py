@@ -116,9 +116,9 @@ from pathlib import Path
 import torch
 
 import g4ops
-from g4ops._torch_version import torch_version
-from g4ops.attention import MASKED_FLEX_MIN_TORCH
 from g4ops.models import build_model, load_checkpoint, load_tokenizer, special_tokens, text_config
+from g4ops.ops._torch_version import torch_version
+from g4ops.ops.attention import MASKED_FLEX_MIN_TORCH
 
 VARIANTS = ("stock", "stock-compile", "liger", "g4ops", "g4ops-compile")
 DECODE_VARIANTS = ("stock", "g4ops", "g4ops-graph", "g4ops-graph-compile", "g4ops-graph-sdpa-compile", "stock-graph",
@@ -442,7 +442,7 @@ def add_sliding_arg(parser) -> None:
                              "flex-masked: also those of padded and packed batches (MASKED_SLIDING_VIA_FLEX)")
     parser.add_argument("--flex-options", type=json.loads, default=None, metavar="JSON",
                         help="FlexAttention kernel options for the sliding layers, e.g. '{\"bwd_num_warps\": 8}' "
-                             "(g4ops.attention.SLIDING_FLEX_KERNEL_OPTIONS); '{}': Inductor's defaults; unset: "
+                             "(g4ops.ops.attention.SLIDING_FLEX_KERNEL_OPTIONS); '{}': Inductor's defaults; unset: "
                              "g4ops' own choice")
 
 
@@ -450,14 +450,14 @@ def check_sliding_arg(parser, choice: str) -> None:
     """flex-masked on a torch where the integration refuses it would time stock SDPA under its name."""
     if choice == "flex-masked" and torch_version() < MASKED_FLEX_MIN_TORCH:
         parser.error(f"--sliding flex-masked: torch {torch.__version__} keeps masked sliding layers on stock SDPA "
-                     "(g4ops.attention.MASKED_FLEX_MIN_TORCH): the rows would not time FlexAttention")
+                     "(g4ops.ops.attention.MASKED_FLEX_MIN_TORCH): the rows would not time FlexAttention")
 
 
 def use_sliding(choice: str, flex_options: dict | None = None) -> None:
     """Set g4ops' sliding-layer switches for a `--sliding` choice and `--flex-options`."""
     g4ops.hf.attention_interface.SLIDING_VIA_FLEX = choice != "stock"
     g4ops.hf.attention_interface.MASKED_SLIDING_VIA_FLEX = choice == "flex-masked"
-    g4ops.attention.SLIDING_FLEX_KERNEL_OPTIONS = flex_options
+    g4ops.ops.attention.SLIDING_FLEX_KERNEL_OPTIONS = flex_options
 
 
 def step_autocast(args):

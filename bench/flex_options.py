@@ -6,15 +6,15 @@
 
 Why: in the graphed 4-layer LoRA step on the H200 the sliding layers' flex backward ran ~320 us per layer for about
 19 GFLOP of band work (bench/results/2026-12-04-h200-session24.md), and a full layer (head_dim 512) costs g4ops'
-chunked attention 2.30 ms fwd+bwd compiled at 2048 tokens (g4ops/attention.py): the 35 sliding and 7 full layers
+chunked attention 2.30 ms fwd+bwd compiled at 2048 tokens (g4ops/ops/attention.py): the 35 sliding and 7 full layers
 are a large share of the gap between the 42-layer step and its GEMMs. g4ops calls flex with the options this script
-found (g4ops.attention.SM90_HEAD256_FLEX_OPTIONS on sm90 at head_dim 256, else Inductor's defaults); stock flex with
+found (g4ops.ops.attention.SM90_HEAD256_FLEX_OPTIONS on sm90 at head_dim 256, else Inductor's defaults); stock flex with
 defaults does not fit head_dim 512 in shared memory (issue 18).
 
 Per kind and length: fwd+bwd median ms (CUDA events), GPU busy ms per call (kernel time, what a CUDA-graphed step
 pays), and the relative errors of out, dq, dk, dv against an fp64 reference, for these variants (`--variants`):
   g4ops     what g4ops runs: `sliding_window_attention` (flex, g4ops' kernel options) for sliding layers, the chunked
-            `g4ops.attention.attention` for full layers; both under torch.compile
+            `g4ops.ops.attention.attention` for full layers; both under torch.compile
   default   flex_attention compiled with default kernel options (g4ops' band or causal block mask)
   autotune  the same compiled with mode="max-autotune-no-cudagraphs": Inductor times its own candidate configs and
             keeps the fastest (which one is not recorded here; Inductor's autotune output may name it)
@@ -62,7 +62,7 @@ DEFAULT_VARIANTS = {
 
 def block_mask(n: int, window, device):
     """The block mask g4ops' sliding path builds, or the causal one for a full layer."""
-    from g4ops.attention import band_block_mask
+    from g4ops.ops.attention import band_block_mask
 
     return band_block_mask(n, n, window if window is not None else n, device)  # a window of n is plain causal
 
@@ -71,7 +71,7 @@ def make(variant: str, n: int, window, device):
     """fn(q, k, v) -> [B, Hq, L, D] for one variant (scale 1.0, as Gemma-4's query norm replaces 1/sqrt(d))."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from g4ops import attention as g4
+    from g4ops.ops import attention as g4
 
     if variant.startswith("sdpa-"):
         return sdpa(variant, n, window, device)

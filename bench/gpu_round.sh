@@ -21,7 +21,7 @@
 # Liger-Kernel and the serve stack (FastAPI, Starlette, uvicorn, pydantic, openai).
 # The kernel build takes 70-90 s on each fresh machine. SAVE_BUILD=1 copies the built library to $OUT, gzipped (the
 # library was 20.4 MB on 2026-12-05, past the 16 MiB a returned file may have); put the file that comes back into
-# .prebuilt/ here (ignored) and carry ".prebuilt": the next call's build stage then loads it (g4ops/_build.py: its
+# .prebuilt/ here (ignored) and carry ".prebuilt": the next call's build stage then loads it (g4ops/ops/_build.py: its
 # name is the build's tag, so it is used only for the same sources, torch, CUDA and arch).
 set -u
 OUT=${OUT:-$PWD/gpu_out}
@@ -51,7 +51,7 @@ fi
 
 if has build; then
   t0=$(date +%s)
-  cache=$($PY -c "from g4ops._build import cache_dir; print(cache_dir())")
+  cache=$($PY -c "from g4ops.ops._build import cache_dir; print(cache_dir())")
   for built in .prebuilt/g4ops_cuda_*.so.gz; do
     [ -f "$built" ] || continue
     tag=$(basename "$built" .so.gz); tag=${tag#g4ops_cuda_}

@@ -1,5 +1,5 @@
 """Prototype for issue 18: a LoRA projection's two backward products u and dB in ONE pass over dY (Triton), timed
-against what g4ops runs today, before anything is wired into g4ops/lora.py.
+against what g4ops runs today, before anything is wired into g4ops/ops/lora.py.
 
 For one peft LoRA projection with output gradient dY [T, N] (bf16), adapter B [N, r] and the saved product
 mid = A(z) [T, r] (fp32 adapters of a bf16 model), the backward needs
@@ -7,7 +7,7 @@ mid = A(z) [T, r] (fp32 adapters of a bf16 model), the backward needs
     u  = s * (dY @ B)        [T, r]        (then dA and the fold into dz)
     dB = s * (dY^T @ mid)    [N, r]
 
-Today (`G4OPS_LORA_SPLIT=1`, g4ops/lora.py `_low_rank_grads`) they are two `_split_mm` calls: each splits its fp32
+Today (`G4OPS_LORA_SPLIT=1`, g4ops/ops/lora.py `_low_rank_grads`) they are two `_split_mm` calls: each splits its fp32
 operand into three bf16 parts, runs one skinny cuBLAS GEMM (split-K for u), and sums the three partial products,
 so dY ([2048, 10240] bf16 = 42 MB for gate and up) is read twice and about six kernels launch. In the H100 profile of
 a graphed 8-layer LoRA step (bench/results/2026-12-05-h100-session32-prof-lora8-after.json) the small GEMMs took
@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from g4ops import lora
+from g4ops.ops import lora
 from kernel_bench import time_graph  # bench/kernel_bench.py: this script's own directory is on sys.path
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

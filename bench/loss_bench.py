@@ -21,7 +21,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import g4ops.loss
+import g4ops.ops.loss
 from attention import time_ms  # bench/attention.py: this script's own directory is on sys.path
 
 _GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default}
@@ -53,12 +53,12 @@ def bench(rows: int, vocab: int, hidden: int, trained: bool, device: str, dtype,
 
     # The op's own GEMMs, from one call of its math with the elementwise helpers eager (a dispatch mode and
     # torch.compile do not mix; the GEMMs are the same either way).
-    compile_setting, g4ops.loss._LOSS_COMPILE = g4ops.loss._LOSS_COMPILE, "0"
+    compile_setting, g4ops.ops.loss._LOSS_COMPILE = g4ops.ops.loss._LOSS_COMPILE, "0"
     try:
         with _GemmShapes() as rec:
-            g4ops.loss.linear_cross_entropy_reference(h, w, labels, 30.0, -100, "mean", 0, (True, trained))
+            g4ops.ops.loss.linear_cross_entropy_reference(h, w, labels, 30.0, -100, "mean", 0, (True, trained))
     finally:
-        g4ops.loss._LOSS_COMPILE = compile_setting
+        g4ops.ops.loss._LOSS_COMPILE = compile_setting
     operands = [(torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype))
                 for m, k, n in rec.shapes]  # fmt: skip
 
@@ -92,7 +92,7 @@ def main(argv=None):
                   f"alone {r['gemm_ms']:8.3f} ms ({r['gemm_tflops']:.0f} TFLOP/s)  beyond them "
                   f"{r['beyond_gemms_ms']:8.3f} ms", flush=True)  # fmt: skip
     if args.json:
-        meta = dict(torch=torch.__version__, loss_kernel=g4ops.loss._LOSS_KERNEL,
+        meta = dict(torch=torch.__version__, loss_kernel=g4ops.ops.loss._LOSS_KERNEL,
                     device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                     date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))  # fmt: skip
         with open(args.json, "w") as f:

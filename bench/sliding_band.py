@@ -19,7 +19,7 @@ rowsum(dO * O)), and adds the parts' gradients. Query heads share kv heads as in
 gradient summed back). L must be a multiple of W here (a prototype; a tail block would be padded).
 
 Reported per length: fwd+bwd median ms of this band, of g4ops' compiled FlexAttention path
-(`g4ops.attention.sliding_window_attention` under torch.compile, what a compiled g4ops step runs) and of stock SDPA
+(`g4ops.ops.attention.sliding_window_attention` under torch.compile, what a compiled g4ops step runs) and of stock SDPA
 with the dense band mask (what transformers gives sdpa), and each one's relative error against an fp64 reference
 (out, dq, dk, dv), on fresh random inputs.
 """
@@ -172,7 +172,7 @@ def run(n, heads, kv_heads, dim, window, device, dtype, repeats, variants):
         if name == "band-gqa":
             return lambda a, b, c: band_attention(a, b, c, scale, window, repeat_kv=False)
         if name == "flex-compiled":
-            from g4ops.attention import sliding_window_attention
+            from g4ops.ops.attention import sliding_window_attention
 
             return torch.compile(lambda a, b, c: sliding_window_attention(a, b, c, scale, window))
         mask = band_mask(n, window, device)  # stock sdpa with transformers' dense mask
@@ -212,7 +212,7 @@ def main(argv=None):
     if args.smoke:
         args.seqs, args.dim, args.window, args.repeats = "64,96", 16, 32, 2
         if args.device == "cpu":
-            args.variants = "band,sdpa-mask"  # compiled FlexAttention is GPU-only in g4ops (attention.py says why)
+            args.variants = "band,sdpa-mask"  # compiled FlexAttention is GPU-only in g4ops (ops/attention.py says why)
     rows = []
     for n in (int(s) for s in args.seqs.split(",") if s):
         rows += run(n, args.heads, args.kv_heads, args.dim, args.window, args.device, dtype, args.repeats,

@@ -1,11 +1,11 @@
 """g4ops: Gemma-4 RMSNorm and gated-GELU MLP as PyTorch custom ops with CUDA kernels, and run-time patching of
 HF transformers' Gemma-4 modules to use them (`g4ops.enable()`)."""
 
-from ._build import KernelBuildError, allow_reference_fallback
-from ._build import build as build_kernels
-from ._build import status as kernel_status
+from .ops._build import KernelBuildError, allow_reference_fallback
+from .ops._build import build as build_kernels
+from .ops._build import status as kernel_status
 from .hf import Route, disable, enable, generation_route, is_enabled
-from .loss import linear_cross_entropy
+from .ops.loss import linear_cross_entropy
 from .ops import decode_attention, geglu_mlp, rms_norm, sandwich_norm
 from . import optim  # g4ops.optim.AdamW
 

@@ -152,7 +152,7 @@ def demo(args) -> int:
 
 
 def build(args) -> int:
-    from ._build import KernelBuildError, build as build_kernels
+    from .ops._build import KernelBuildError, build as build_kernels
 
     start = time.perf_counter()
     try:
@@ -166,7 +166,7 @@ def build(args) -> int:
 
 
 def doctor(args) -> int:
-    from . import _build
+    from .ops import _build
 
     print(f"python        {platform.python_version()} ({sys.executable})")
     print(f"torch         {torch.__version__} (CUDA build: {torch.version.cuda})")

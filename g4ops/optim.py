@@ -7,7 +7,7 @@ computes in fp32 and streams each tensor with a grid that fills the GPU and 16-b
 
 What stays torch's: the constructor arguments, param groups, hooks, LR schedulers, zero_grad and the state
 (`step`, `exp_avg`, `exp_avg_sq` under the same keys), so state dicts load into and from torch.optim.AdamW. The
-update is AdamW in fp32 with one rounding per stored value (g4ops/reference.py `adamw_step`); against an fp64
+update is AdamW in fp32 with one rounding per stored value (g4ops/ops/reference.py `adamw_step`); against an fp64
 oracle its error is no larger than torch's fused AdamW's (tests/test_adamw.py). The step count lives on the
 parameter's device as a float32 tensor (as with torch's fused=True), so no step syncs with the host and a CUDA graph
 can capture it.

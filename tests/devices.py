@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from g4ops._torch_version import torch_version
-from g4ops.attention import MASKED_FLEX_MIN_TORCH
+from g4ops.ops._torch_version import torch_version
+from g4ops.ops.attention import MASKED_FLEX_MIN_TORCH
 
 DEVICES = [
     "cpu",
@@ -17,7 +17,7 @@ DEVICES = [
     ),
 ]
 
-# compiled FlexAttention with a batch mask failed on CUDA under torch 2.11 (g4ops.attention.MASKED_FLEX_MIN_TORCH),
+# compiled FlexAttention with a batch mask failed on CUDA under torch 2.11 (g4ops.ops.attention.MASKED_FLEX_MIN_TORCH),
 # where the integration never takes it; one failing kernel ended its worker's CUDA context
 NEEDS_MASKED_FLEX_TORCH = pytest.mark.skipif(
     torch_version() < MASKED_FLEX_MIN_TORCH,

@@ -1,7 +1,7 @@
 """Test oracle for the g4ops ops: fp64 math, stock transformers, an error metric, one tolerance table, random inputs.
 
 - fp64 oracle: the forward and every gradient of both ops, written here in closed form from design.md sections 3
-  and 4 (not imported from g4ops.reference, so a bug there cannot hide in its own yardstick). `test_ops.py` checks
+  and 4 (not imported from g4ops.ops.reference, so a bug there cannot hide in its own yardstick). `test_ops.py` checks
   the closed forms against torch autograd in fp64. Also decode attention (forward only: the op is inference only)
   and one AdamW update (Loshchilov and Hutter's decoupled weight decay with Adam's bias corrections).
 - stock: what a user of HF transformers runs today, taken from transformers itself: `Gemma4RMSNorm` and

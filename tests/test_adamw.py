@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import g4ops.optim
-from g4ops import ops, reference
+from g4ops import ops
+from g4ops.ops import reference
 
 try:
     from . import oracle as O

@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import g4ops
-from g4ops import attention as attention_module
-from g4ops import reference
 from g4ops.hf import attention_interface
-from g4ops.attention import attention
 from g4ops.models import build_model
+from g4ops.ops import attention as attention_module
+from g4ops.ops import reference
+from g4ops.ops.attention import attention
 
 try:
     from . import oracle as O
@@ -313,7 +313,7 @@ def test_compile_fullgraph_with_a_mask_matches_eager():
 
 # ----------------------------------------------------------------------------------------------------------------
 # Sliding layers through FlexAttention (compiled, CUDA; CPU has only its forward, in eager: compiled CPU FlexAttention
-# is wrong on AVX2, g4ops/attention.py `_flex_compiled_trusted`).
+# is wrong on AVX2, g4ops/ops/attention.py `_flex_compiled_trusted`).
 
 # (dtype, (B, Hq, Hkv, L, S, D, window)): each case compiles its own Triton kernels (about a minute on the H200), so
 # few: GQA 4:1 with a window of 3 in fp32, queries after a cache (L < S), and the E4B sliding layer in bf16.

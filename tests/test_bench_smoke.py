@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from g4ops._torch_version import torch_version
+from g4ops.ops._torch_version import torch_version
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,18 +84,18 @@ def test_e2e_refuses_flex_masked_where_the_integration_does(monkeypatch):
 
 
 def test_e2e_flex_options_reach_the_sliding_flex_call(monkeypatch):
-    """`--flex-options JSON` sets the kernel options g4ops.attention.sliding_window_attention passes to flex."""
+    """`--flex-options JSON` sets the kernel options g4ops.ops.attention.sliding_window_attention passes to flex."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import e2e
-    import g4ops.attention
+    import g4ops.ops.attention
 
-    monkeypatch.setattr(g4ops.attention, "SLIDING_FLEX_KERNEL_OPTIONS", None)
+    monkeypatch.setattr(g4ops.ops.attention, "SLIDING_FLEX_KERNEL_OPTIONS", None)
     monkeypatch.setattr(g4ops.hf.attention_interface, "SLIDING_VIA_FLEX", True)
     args = e2e.parse_args(["--flex-options", '{"bwd_num_warps": 8, "USE_TMA": true}'])
     e2e.use_sliding(args.sliding, args.flex_options)
-    assert g4ops.attention.SLIDING_FLEX_KERNEL_OPTIONS == {"bwd_num_warps": 8, "USE_TMA": True}
+    assert g4ops.ops.attention.SLIDING_FLEX_KERNEL_OPTIONS == {"bwd_num_warps": 8, "USE_TMA": True}
     e2e.use_sliding("flex", e2e.parse_args([]).flex_options)
-    assert g4ops.attention.SLIDING_FLEX_KERNEL_OPTIONS is None
+    assert g4ops.ops.attention.SLIDING_FLEX_KERNEL_OPTIONS is None
 
 
 def test_e2e_train_with_g4ops_attention(tmp_path):

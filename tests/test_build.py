@@ -1,4 +1,4 @@
-"""The kernel build's cache (g4ops/_build.py), on CPU: as on a CUDA machine, with cpp_extension.load and
+"""The kernel build's cache (g4ops/ops/_build.py), on CPU: as on a CUDA machine, with cpp_extension.load and
 torch.ops.load_library recorded instead of run."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-from g4ops import _build
+from g4ops.ops import _build
 
 
 @pytest.fixture

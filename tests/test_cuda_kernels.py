@@ -1,7 +1,7 @@
 """GPU tests of the CUDA kernels in csrc/ (marker `cuda`; skipped without a GPU).
 
 What is checked, for every op the CUDA kernels register:
-- the kernels compute the function of g4ops/reference.py: CUDA vs the reference math run on the same CUDA tensors
+- the kernels compute the function of g4ops/ops/reference.py: CUDA vs the reference math run on the same CUDA tensors
   (near bit-equality for the RMSNorm forward), and vs the fp64 oracle of tests/oracle.py with tolerances from its
   one table (or "no worse than stock transformers", design.md section 4);
 - odd sizes on purpose (1, 3, 769, 5125: the scalar tail path), E4B sizes (256/512 head dims, 2560, 10240), strided
@@ -45,7 +45,7 @@ ROW_SIZES = (1, 3, 256, 512, 769, 2560, 5125)
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernels():
-    from g4ops import reference  # noqa: F401
+    from g4ops.ops import reference  # noqa: F401
 
     g4ops.build_kernels(verbose=False)
     yield
@@ -94,7 +94,7 @@ def _weight(n: int, mode: str, xdtype: torch.dtype, gen) -> torch.Tensor | None:
 @pytest.mark.parametrize("n", ROW_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_forward(dtype, n, wmode, layout):
-    from g4ops import reference
+    from g4ops.ops import reference
 
     gen = _gen("fwd", dtype, n, wmode, layout)
     x = make_tensor((6, n), dtype, gen, layout, DEV, scale=3.0)
@@ -218,7 +218,7 @@ MLP_SHAPES = ((64, 128), (72, 200), (2560, 1024))  # (hidden, intermediate): E4B
 @pytest.mark.parametrize("shape", MLP_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_geglu_mlp_forward(dtype, shape, rows):
-    from g4ops import reference
+    from g4ops.ops import reference
 
     hidden, inter = shape
     gen = _gen("mlp", dtype, shape, rows)
@@ -274,7 +274,7 @@ def test_geglu_gemv_matches_gemm_e4b(dtype, rows):
 def test_gelu_tanh_mul_kernel(dtype, n):
     """The fused GeGLU product (internal op) vs reference.gelu_tanh_mul on the same CUDA tensors: fp32 math, one
     rounding; vector path, scalar tail, and a misaligned view (scalar path)."""
-    from g4ops import reference
+    from g4ops.ops import reference
 
     gen = _gen("gelu", dtype, n)
     g = make_tensor((n + 1,), dtype, gen, device=DEV, scale=3.0)
@@ -384,7 +384,7 @@ def _check_sandwich_forward(branch, residual, post, pre, s, y):
     """(s, y) from the CUDA kernel: contiguous, right dtype; the reference math run on the same CUDA tensors up to
     fp32 summation order (s within one flip of its final rounding plus fp32 reordering noise on its terms, y
     within one ulp of rms_norm of the kernel's own s); no less accurate than stock against fp64."""
-    from g4ops import reference
+    from g4ops.ops import reference
 
     dtype, n, numel = branch.dtype, branch.shape[-1], branch.numel()
     for name, t in (("s", s), ("y", y)):
@@ -420,7 +420,7 @@ def _check_sandwich_backward(grad_sum, grad_normed, branch, residual, post, pre)
     dtype (empty for a None weight); the reference math on the same CUDA tensors up to fp32 summation order
     (norm-wise, scaled by the condition numbers); no less accurate than stock against fp64 (condition numbers and
     floors as in test_ops.py's sandwich property). Returns the gradients."""
-    from g4ops import reference
+    from g4ops.ops import reference
 
     dtype, n, numel = branch.dtype, branch.shape[-1], branch.numel()
     rows = numel // n
@@ -531,8 +531,8 @@ def test_sandwich_norm_strided(dtype, shape, layout):
 
 def test_sandwich_norm_aten_paths():
     """float64 and gradients of another dtype than branch's run the reference's ATen expressions: bitwise equal to
-    reference.py on the same CUDA tensors."""
-    from g4ops import reference
+    g4ops/ops/reference.py on the same CUDA tensors."""
+    from g4ops.ops import reference
 
     gen = _gen("sw-aten")
     for dtype, gdtype, wdtype in ((torch.float64, torch.float64, torch.float64), (torch.float64, torch.float64, None),

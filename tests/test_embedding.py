@@ -1,7 +1,7 @@
 """g4ops.ops.embedding and its backward op `g4ops::embedding_backward` against an fp64 oracle and stock
 F.embedding, and the reason the op exists: under torch.compile its backward stays one opaque op instead of
 Inductor's fp32 zero-filled [rows, dim] table (tests below read the compiled backward graph). On CUDA the op is
-ATen's own kernel (what stock eager runs); on CPU it sums in fp32 (reference.py says why)."""
+ATen's own kernel (what stock eager runs); on CPU it sums in fp32 (ops/reference.py says why)."""
 
 from __future__ import annotations
 

@@ -213,7 +213,7 @@ def test_peft_lora_adapter_gradients_match_stock(targets):
     with g4ops.enable():
         mlp = base.model.layers[0].mlp
         # mlp_uses_g4ops: the plain fused op, on an untouched MLP; one with LoRA projections runs the LoRA op
-        # instead (g4ops.lora, tests/test_lora.py), with no reason to fall back
+        # instead (g4ops.ops.lora, tests/test_lora.py), with no reason to fall back
         assert patches.mlp_uses_g4ops(mlp) == ("gate_proj" not in targets)
         if "gate_proj" in targets:
             from g4ops.hf.peft_lora import fallback_reason

@@ -1,4 +1,4 @@
-"""peft LoRA on Gemma-4's MLP through g4ops (g4ops/lora.py): exact against stock peft in fp32, no worse than stock
+"""peft LoRA on Gemma-4's MLP through g4ops (g4ops/ops/lora.py): exact against stock peft in fp32, no worse than stock
 against an fp64 oracle in bf16, peft's adapter states (merged, disabled, several adapters, set_adapter), the op
 itself (opcheck, fp64 gradcheck, bad input), the dispatch (the fused op really runs; unsupported LoRA features keep
 peft's forward and say why), torch.compile without graph breaks, and attention projections with LoRA.
@@ -21,9 +21,9 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import g4ops
-from g4ops import lora
 from g4ops.hf import patches, peft_lora
 from g4ops.models import build_model, text_config
+from g4ops.ops import lora
 
 try:
     from . import oracle as O
@@ -629,7 +629,7 @@ def test_bad_input_names_the_argument():
 
 def _assert_traced_not_opaque(graphs):
     """Inside a compiled trace the LoRA MLP is its math in the graph (an autograd.Function), not the opaque op
-    (tests/test_lora_compile.py checks this node by node); on a torch where that path is off (lora.py's docstring),
+    (tests/test_lora_compile.py checks this node by node); on a torch where that path is off (ops/lora.py's docstring),
     the op."""
     if not lora.TRACE_UNDER_COMPILE:
         assert any("lora_geglu_mlp" in g.code for g in graphs)
@@ -943,7 +943,7 @@ def test_compiled_kernel_math_matches_peft(monkeypatch):
 
 
 def test_saves_gate_up_and_low_rank_products_only():
-    """Activation memory (design claim in g4ops/lora.py): for backward the fused path keeps gate and up (bf16) and
+    """Activation memory (design claim in g4ops/ops/lora.py): for backward the fused path keeps gate and up (bf16) and
     the [T, r] products (fp32 adapters), besides x and the weights; peft keeps fp32 copies of x and h as well."""
     model = _mlp_model("cpu", BF16).train()
     x, _ = _inputs("cpu", BF16)

@@ -1,4 +1,4 @@
-"""g4ops' fused LoRA MLP inside an outer torch.compile (g4ops/lora.py's docstring, "Inside an outer
+"""g4ops' fused LoRA MLP inside an outer torch.compile (g4ops/ops/lora.py's docstring, "Inside an outer
 torch.compile"): the trace holds the math, not the opaque op `g4ops::lora_geglu_mlp` (issue 18: the op made a
 compiled training step host-bound), with no graph break; loss and adapter gradients equal stock peft's; frozen base
 weights get no gradient; dropout, merged and disabled adapters behave as in eager mode.
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import g4ops
-from g4ops import lora
 from g4ops.models import build_model
+from g4ops.ops import lora
 
 try:
     from . import oracle as O
@@ -32,9 +32,9 @@ except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.
     from test_lora import _always_disabled, _run  # noqa: F401 - _always_disabled: autouse, g4ops off around each test
 
 peft = pytest.importorskip("peft")
-# the traced path is off on older torch (lora.py's docstring says why); G4OPS_LORA_TRACE=1 runs these tests there
-pytestmark = pytest.mark.skipif(not lora.TRACE_UNDER_COMPILE, reason="g4ops.lora's traced path is off on this torch "
-                                "(tested on >= 2.11; set G4OPS_LORA_TRACE=1 to test it here)")  # fmt: skip
+# the traced path is off on older torch (ops/lora.py's docstring says why); G4OPS_LORA_TRACE=1 runs these tests there
+pytestmark = pytest.mark.skipif(not lora.TRACE_UNDER_COMPILE, reason="g4ops.ops.lora's traced path is off on this "
+                                "torch (tested on >= 2.11; set G4OPS_LORA_TRACE=1 to test it here)")  # fmt: skip
 
 LORA_OPS = ("lora_geglu_mlp", "lora_geglu_mlp_forward", "lora_geglu_mlp_backward")
 

@@ -1,4 +1,4 @@
-"""peft LoRA on Gemma-4's attention projections through g4ops (`g4ops::lora_linear`, g4ops/lora.py): after
+"""peft LoRA on Gemma-4's attention projections through g4ops (`g4ops::lora_linear`, g4ops/ops/lora.py): after
 `g4ops.enable(model)` each peft lora.Linear among a Gemma4TextAttention's q/k/v/o_proj runs the op. Exact against
 stock peft in fp32, no worse than stock against an fp64 oracle in bf16 (fp32 adapters split onto bf16 products or
 not), peft's adapter states, the op itself (opcheck, fp64 gradcheck, bad input, no full weight gradient for a frozen
@@ -23,9 +23,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import g4ops
-from g4ops import lora
 from g4ops.hf import peft_lora
 from g4ops.models import text_config
+from g4ops.ops import lora
 
 try:
     from . import oracle as O
@@ -399,7 +399,7 @@ def test_past_the_recompile_limit_only_new_signatures_run_eagerly(monkeypatch):
     (It used to mark the compilation failed, and every later call of every LoRA op then ran eagerly.)"""
     import warnings
 
-    from g4ops import _fused
+    from g4ops.ops import _fused
 
     monkeypatch.setattr(lora, "_LORA_COMPILE", "1")
     monkeypatch.setattr(lora, "_compiled", {})
@@ -420,7 +420,7 @@ def test_past_the_recompile_limit_only_new_signatures_run_eagerly(monkeypatch):
     def call(n):
         adapters = [(torch.randn(3, 7, generator=gen), torch.randn(6, 3, generator=gen), 0.5) for _ in range(n)]
         with torch.no_grad():
-            got = g4ops.lora.lora_linear(x, weight, adapters)
+            got = g4ops.ops.lora.lora_linear(x, weight, adapters)
         want = x @ weight.t() + sum(0.5 * (x @ a.t()) @ b.t() for a, b, _ in adapters)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

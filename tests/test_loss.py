@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import g4ops.loss as loss_mod
+import g4ops.ops.loss as loss_mod
 from devices import DEVICES
 from g4ops import ops
-from g4ops.loss import linear_cross_entropy
+from g4ops.ops.loss import linear_cross_entropy
 
 try:
     from .devices import capture_cuda_graph
@@ -908,7 +908,7 @@ def test_cuda_softcap_xent_kernel_vs_fp64(dtype, n, v, offset, cap, with_grad):
     valid[:2] = True
     valid[-1] = False
     safe = torch.where(valid, labels, 0)
-    row_scale = valid.float() * (1.0 / valid.sum().float())  # what loss.py passes (fp32): 1/#valid or 0
+    row_scale = valid.float() * (1.0 / valid.sum().float())  # what ops/loss.py passes (fp32): 1/#valid or 0
     buf = vals.to(dtype).cuda()
     before = buf.clone()
     x = buf[:, offset:offset + v]
@@ -947,7 +947,7 @@ def test_cuda_softcap_xent_kernel_empty_input():
 @pytest.mark.parametrize("case", ["dtype", "last_dim", "overlap", "cap", "safe_shape", "row_scale_dtype",
                                   "device"])  # fmt: skip
 def test_softcap_xent_kernel_bad_inputs_are_named(case):
-    """The kernel's argument checks run in Python before the op (g4ops.loss.softcap_xent_rows: a failed C++ check
+    """The kernel's argument checks run in Python before the op (g4ops.ops.loss.softcap_xent_rows: a failed C++ check
     crashes the GPU image's process), so they run here on CPU tensors, the CUDA-only check last."""
     x = torch.randn(4, 9)
     safe, valid = torch.zeros(4, dtype=torch.long), torch.ones(4, dtype=torch.bool)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from g4ops import _build
-from g4ops._torch_version import CUDA_MIN_TORCH, torch_too_old, torch_version
+from g4ops.ops import _build
+from g4ops.ops._torch_version import CUDA_MIN_TORCH, torch_too_old, torch_version
 
 
 def test_installed_torch_is_recognised():

@@ -31,9 +31,9 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 import g4ops
-from g4ops import attention as attention_module
 from g4ops.hf import attention_interface
 from g4ops.models import build_model
+from g4ops.ops import attention as attention_module
 
 try:
     from . import oracle as O
@@ -472,7 +472,7 @@ def test_sliding_layers_on_flex_with_the_batch_mask_equal_each_sequence_alone(mo
 def test_masked_flex_stays_off_under_torch_2_11_and_says_why(monkeypatch, flex_masks):
     """Turned on under a torch whose Inductor failed on it (2.11, attention.MASKED_FLEX_MIN_TORCH), a packed batch's
     sliding layers keep stock SDPA, right, and one warning names the reason."""
-    import g4ops._torch_version as versions
+    import g4ops.ops._torch_version as versions
 
     seqs, (_, logits0, _) = _oracle("cpu")
     batch, places = BATCHES["packed-transformers"]([s.cpu() for s in seqs])

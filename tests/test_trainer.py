@@ -98,7 +98,7 @@ def _run(make_trainer, with_g4ops: bool):
 
 
 def _assert_attention_lora_routed(model) -> None:
-    """Every peft LoRA layer on an attention projection is routed to g4ops.lora_linear (g4ops/lora.py: a compiled
+    """Every peft LoRA layer on an attention projection is routed to g4ops.lora_linear (g4ops/ops/lora.py: a compiled
     model runs it; eager calls, as here, run peft's forward)."""
     layers = [getattr(m, name) for m in model.modules() if type(m).__name__ == "Gemma4TextAttention"
               for name in patches._ATTENTION_PROJECTIONS

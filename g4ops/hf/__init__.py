@@ -2,7 +2,8 @@
 module patches (patches.py), the shared tests of which modules may be replaced (modules.py), the "g4ops" attention
 implementation and its masks (attention_interface.py), the fused-loss causal-LM forward (causal_lm.py), routing
 `generate()` into g4ops.engine (generate.py), and peft's LoRA layers onto g4ops' LoRA ops (peft_lora.py). Below
-it: the ops (g4ops.ops, g4ops.lora, g4ops.attention, g4ops.loss) and the engine, which patch no transformers class."""
+it: the op layer (g4ops.ops: the core ops, lora, attention, loss) and the engine, which patch no transformers
+class."""
 
 from .generate import Route, generation_route
 from .patches import disable, enable, is_enabled

@@ -43,7 +43,7 @@ from .. import ops
 # there, as transformers does (it detects packing only without one).
 
 ATTENTION = "g4ops"
-# Sliding layers of a compiled CUDA model run FlexAttention with a block-sparse band (g4ops.attention's section on
+# Sliding layers of a compiled CUDA model run FlexAttention with a block-sparse band (g4ops.ops.attention's section on
 # it); False keeps them on stock SDPA with the dense mask (benchmarks compare the two).
 SLIDING_VIA_FLEX = True
 # ... and so do those of a padded or packed batch, the band narrowed by its mask. Off: it passes its CPU tests
@@ -197,7 +197,7 @@ def g4ops_attention_forward(
     """AttentionInterface entry: query [B, Hq, L, D], key/value [B, Hkv, S, D] -> ([B, L, Hq, D], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from ..attention import attention, flex_sliding_usable, masked_flex_supported, sliding_window_attention
+    from ..ops.attention import attention, flex_sliding_usable, masked_flex_supported, sliding_window_attention
 
     def stock(mask, every_row_sees_a_key: bool = False):
         mask, rows = (mask, None) if every_row_sees_a_key else _open_empty_rows(mask)

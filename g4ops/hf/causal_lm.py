@@ -30,7 +30,7 @@ import inspect
 
 import torch.nn.functional as F
 
-from ..loss import linear_cross_entropy
+from ..ops.loss import linear_cross_entropy
 from .modules import MARK, is_plain_linear
 
 

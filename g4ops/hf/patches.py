@@ -507,7 +507,7 @@ def _unpatch_module(module: nn.Module) -> None:
 def _maybe_build_kernels() -> None:
     """On a GPU machine, build (or load) the kernels now, so a failure shows at enable() and not mid-forward."""
     if torch.cuda.is_available():
-        from .._build import ensure_cuda_kernels
+        from ..ops._build import ensure_cuda_kernels
 
         ensure_cuda_kernels()
 
@@ -517,7 +517,7 @@ def enable(model: nn.Module | None = None, attention: bool = False, decode: bool
     "g4ops" attention implementation, and with `model` and `attention=True`, switch its Gemma-4 text attention from
     "sdpa" to it. Opt-in, because on the H200 (2026-11-29) it beat stock only under torch.compile: a 42-layer finetune
     step 1.36x stock compile at 2048 tokens and 2.37x at 8192; in eager its full layers are 0.8x stock
-    (g4ops.attention's docstring has the per-layer numbers).
+    (g4ops.ops.attention's docstring has the per-layer numbers).
 
     `decode`: route eligible `generate()` calls of Gemma4ForCausalLM to g4ops.engine.decoder.Decoder (module docstring).
     Gemma4TextModel's set of layer types is iterated sorted, so compile caches work across processes ("Layer-type

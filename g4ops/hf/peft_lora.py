@@ -1,4 +1,4 @@
-"""peft's LoRA layers on a Gemma-4 model -> g4ops' LoRA ops (g4ops/lora.py: the formula, the gradients, the
+"""peft's LoRA layers on a Gemma-4 model -> g4ops' LoRA ops (g4ops/ops/lora.py: the formula, the gradients, the
 kernels): which peft layers the ops reproduce exactly, their base weights and adapters as the ops take them, the
 forwards g4ops.hf.patches installs, and why a layer keeps peft's own forward.
 
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..lora import lora_geglu_mlp, lora_linear
+from ..ops.lora import lora_geglu_mlp, lora_linear
 from .modules import is_plain_linear, is_plain_tensor
 
 logger = logging.getLogger("g4ops")

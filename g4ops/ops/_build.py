@@ -1,6 +1,6 @@
 """Build and load the CUDA kernels in csrc/ (JIT, cached per torch / CUDA / GPU arch / source hash).
 
-The kernels register themselves for the CUDA dispatch key of the ops declared in ops.py (TORCH_LIBRARY_IMPL), so
+The kernels register themselves for the CUDA dispatch key of the ops declared in core.py (TORCH_LIBRARY_IMPL), so
 loading the shared library is all it takes. A CPU-only machine never builds anything.
 
 On a machine with a GPU, a failed build raises `KernelBuildError` saying why, unless the user asked for the
@@ -18,7 +18,7 @@ import torch
 
 from ._torch_version import torch_too_old
 
-CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
+CSRC_DIR = Path(__file__).resolve().parent.parent.parent / "csrc"
 MIN_CAPABILITY = (8, 0)  # bf16 arithmetic and cp.async; everything older is refused with a clear message
 
 

@@ -1,6 +1,6 @@
 """Fused linear cross-entropy with Gemma's final logit softcap, chunked so the full [tokens, vocab] logits never exist.
 
-Public op (declared on the same `g4ops` library as ops.py):
+Public op (declared on the same `g4ops` library as core.py):
     torch.ops.g4ops.linear_cross_entropy(Tensor hidden, Tensor weight, Tensor labels, float? softcap,
                                          int ignore_index, str reduction, int chunk_size) -> Tensor
 Internal ops, each a real operator so autograd, torch.compile and CUDA graphs see them:
@@ -91,7 +91,7 @@ import torch.nn.functional as F
 from ._build import ensure_cuda_kernels, status
 from ._fused import run_compiled
 from ._torch_version import traced_by_compile
-from .ops import _internal_op_autograd, _lib
+from .core import _internal_op_autograd, _lib
 from .reference import accumulation_dtype
 
 _SCHEMAS = {

@@ -48,7 +48,7 @@ import warnings
 import torch
 
 from . import _torch_version
-from .ops import _BELOW_AUTOGRAD, _lib
+from .core import _BELOW_AUTOGRAD, _lib
 from .reference import truncated_to
 
 CHUNK = 512  # least query rows per GEMM block: big enough for full-speed GEMMs

@@ -86,7 +86,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import ops, reference
+from . import core, reference
 from ._build import ensure_cuda_kernels, status
 from ._fused import run_compiled
 from ._torch_version import torch_version
@@ -94,7 +94,7 @@ from ._torch_version import torch_version
 logger = logging.getLogger("g4ops")
 _logged: set = set()  # what was said once at INFO
 
-_lib = torch.library.Library(ops.NAMESPACE, "FRAGMENT")
+_lib = torch.library.Library(core.NAMESPACE, "FRAGMENT")
 _ADAPTER_ARGS = (
     "Tensor[] lora_a, Tensor[] lora_b, float[] scaling, int[3] counts, float[] dropout, Tensor[] dropout_mask"
 )
@@ -131,28 +131,28 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _check_adapters(op, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask):
-    ops._check_geglu(x, w_gate, w_up, w_down)
-    ops._check(
+    core._check_geglu(x, w_gate, w_up, w_down)
+    core._check(
         len(counts) == 3 and all(c >= 0 for c in counts),
         lambda: f"g4ops.{op}: `counts` must be 3 adapter counts >= 0 (gate, up, down), got {list(counts)}",
     )
     n = sum(counts)
-    ops._check(len(lora_a) == n, lambda: f"g4ops.{op}: `lora_a` has {len(lora_a)} entries but `counts` sums to {n}")
+    core._check(len(lora_a) == n, lambda: f"g4ops.{op}: `lora_a` has {len(lora_a)} entries but `counts` sums to {n}")
     hidden, inter = x.shape[-1], w_gate.shape[0]
     dims = [(hidden, inter)] * (counts[0] + counts[1]) + [(inter, hidden)] * counts[2]
     _check_adapter_list(op, x, lora_a, lora_b, scaling, dropout, dropout_mask, dims)
 
 
 def _check_linear(op, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
-    ops._check_floating("x", x)
-    ops._check_floating("weight", weight)
-    ops._check(x.dim() >= 1, lambda: f"g4ops.{op}: `x` must have at least one dimension")
-    ops._check(
+    core._check_floating("x", x)
+    core._check_floating("weight", weight)
+    core._check(x.dim() >= 1, lambda: f"g4ops.{op}: `x` must have at least one dimension")
+    core._check(
         weight.dim() == 2 and weight.shape[1] == x.shape[-1],
         lambda: f"g4ops.{op}: `weight` must be [out, {x.shape[-1]}] (nn.Linear's layout), got {list(weight.shape)}",
     )
-    ops._check_type(weight.dtype == x.dtype, lambda: f"g4ops.{op}: `weight` is {weight.dtype} but `x` is {x.dtype}")
-    ops._check_same_device(op, x=x, weight=weight)
+    core._check_type(weight.dtype == x.dtype, lambda: f"g4ops.{op}: `weight` is {weight.dtype} but `x` is {x.dtype}")
+    core._check_same_device(op, x=x, weight=weight)
     dims = [(x.shape[-1], weight.shape[0])] * len(lora_a)
     _check_adapter_list(op, x, lora_a, lora_b, scaling, dropout, dropout_mask, dims)
 
@@ -161,39 +161,39 @@ def _check_adapter_list(op, x, lora_a, lora_b, scaling, dropout, dropout_mask, d
     """The adapters: adapter i maps dims[i] = (fan_in, fan_out), its input having x's leading shape."""
     n = len(dims)
     for name, seq in (("lora_a", lora_a), ("lora_b", lora_b), ("scaling", scaling), ("dropout", dropout)):
-        ops._check(
+        core._check(
             len(seq) == n, lambda: f"g4ops.{op}: `{name}` has {len(seq)} entries, `lora_a` {n}"
         )
     for i, (a, b, (fan_in, fan_out)) in enumerate(zip(lora_a, lora_b, dims)):
-        ops._check_floating(f"lora_a[{i}]", a)
-        ops._check(
+        core._check_floating(f"lora_a[{i}]", a)
+        core._check(
             a.dim() == 2 and a.shape[1] == fan_in,
             lambda: f"g4ops.{op}: `lora_a[{i}]` must be [r, {fan_in}], got {list(a.shape)}",
         )
-        ops._check(
+        core._check(
             b.dim() == 2 and b.shape[0] == fan_out and b.shape[1] == a.shape[0],
             lambda: f"g4ops.{op}: `lora_b[{i}]` must be [{fan_out}, {a.shape[0]}] ([out, r] of `lora_a[{i}]`), "
             f"got {list(b.shape)}",
         )
-        ops._check_type(
+        core._check_type(
             b.dtype == a.dtype, lambda: f"g4ops.{op}: `lora_b[{i}]` is {b.dtype} but `lora_a[{i}]` is {a.dtype}"
         )
-        ops._check_same_device(op, x=x, **{f"lora_a[{i}]": a, f"lora_b[{i}]": b})
+        core._check_same_device(op, x=x, **{f"lora_a[{i}]": a, f"lora_b[{i}]": b})
     dropped = [i for i, p in enumerate(dropout) if p != 0.0]
-    ops._check(
+    core._check(
         all(0.0 <= p < 1.0 for p in dropout), lambda: f"g4ops.{op}: `dropout` must be in [0, 1), got {list(dropout)}"
     )
-    ops._check(
+    core._check(
         len(dropout_mask) == len(dropped),
         lambda: f"g4ops.{op}: `dropout_mask` has {len(dropout_mask)} masks but `dropout` has {len(dropped)} "
         "adapters with p > 0",
     )
     for j, (i, mask) in enumerate(zip(dropped, dropout_mask)):
-        ops._check_type(
+        core._check_type(
             mask.dtype == torch.bool, lambda: f"g4ops.{op}: `dropout_mask[{j}]` must be bool, got {mask.dtype}"
         )
-        ops._check_shape(op, f"dropout_mask[{j}]", mask, (*x.shape[:-1], dims[i][0]), f"adapter {i}'s input")
-        ops._check_same_device(op, x=x, **{f"dropout_mask[{j}]": mask})
+        core._check_shape(op, f"dropout_mask[{j}]", mask, (*x.shape[:-1], dims[i][0]), f"adapter {i}'s input")
+        core._check_same_device(op, x=x, **{f"dropout_mask[{j}]": mask})
 
 
 def _check_backward(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout,
@@ -202,21 +202,21 @@ def _check_backward(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b,
     _check_adapters(op, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask)
     out_shape, inter_shape = (*x.shape[:-1], w_down.shape[0]), (*x.shape[:-1], w_gate.shape[0])
     for name, t, shape in (("grad_out", grad_out, out_shape), ("gate", gate, inter_shape), ("up", up, inter_shape)):
-        ops._check_floating(name, t)
-        ops._check_shape(op, name, t, shape, "the MLP's" if name == "grad_out" else "x @ w_gate.T")
-        ops._check_same_device(op, x=x, **{name: t})
+        core._check_floating(name, t)
+        core._check_shape(op, name, t, shape, "the MLP's" if name == "grad_out" else "x @ w_gate.T")
+        core._check_same_device(op, x=x, **{name: t})
     _check_mids(op, x, lora_a, lora_mid, lora_mask)
 
 
 def _check_mids(op, x, lora_a, lora_mid, lora_mask):
     """A backward's saved [T, r] products A_a(z_a) and its per-adapter gradient mask (dA's, then dB's)."""
-    ops._check(
+    core._check(
         len(lora_mid) == len(lora_a) and len(lora_mask) == 2 * len(lora_a),
         lambda: f"g4ops.{op}: `lora_mid` must have one entry per adapter ({len(lora_a)}) and `lora_mask` two, got "
         f"{len(lora_mid)} and {len(lora_mask)}",
     )
     for i, (a, mid) in enumerate(zip(lora_a, lora_mid)):
-        ops._check_shape(op, f"lora_mid[{i}]", mid, (*x.shape[:-1], a.shape[0]), f"the input @ lora_a[{i}].T")
+        core._check_shape(op, f"lora_mid[{i}]", mid, (*x.shape[:-1], a.shape[0]), f"the input @ lora_a[{i}].T")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -312,7 +312,7 @@ def _split_pairs(left, right):
     return (torch.cat([p for p in left_parts for _ in range(3)], 1), torch.cat(right_parts * 3, 1))
 
 
-@torch.library.custom_op(f"{ops.NAMESPACE}::add_product_rounded", mutates_args=("c",))
+@torch.library.custom_op(f"{core.NAMESPACE}::add_product_rounded", mutates_args=("c",))
 def _add_product_rounded(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """c += a @ b in place for bf16 matrices, accumulated in fp32 and rounded once to bf16: cuBLAS's bf16 GEMM adds c
     (beta=1) to its fp32 accumulator; elsewhere the same math in fp32.
@@ -545,8 +545,8 @@ def _trace_in_this_compile() -> bool:
     if not graphed and not _opaque_warned:
         _opaque_warned = True
         warnings.warn(
-            "g4ops: this torch.compile graph calls g4ops' LoRA ops opaquely (g4ops.lora.TRACE_UNDER_COMPILE is off: "
-            f"G4OPS_LORA_TRACE=0, or torch {torch.__version__} < 2.11): each call costs host time on every step "
+            "g4ops: this torch.compile graph calls g4ops' LoRA ops opaquely (g4ops.ops.lora.TRACE_UNDER_COMPILE is "
+            f"off: G4OPS_LORA_TRACE=0, or torch {torch.__version__} < 2.11): each call costs host time on every step "
             "unless the model is compiled with mode='reduce-overhead' (CUDA graphs). In the default mode a 42-layer "
             "LoRA step ran at about half of stock torch.compile's speed (bench/results/2026-12-06-h100-session36.md)",
             stacklevel=2,
@@ -710,7 +710,7 @@ def _op_autograd(keyset, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, count
 
 _lib.impl("lora_geglu_mlp", _op_autograd, "Autograd", with_keyset=True)
 for _name in ("lora_geglu_mlp_forward", "lora_geglu_mlp_backward"):
-    _lib.impl(_name, ops._internal_op_autograd(_name), "Autograd", with_keyset=True)
+    _lib.impl(_name, core._internal_op_autograd(_name), "Autograd", with_keyset=True)
 
 
 # (getattr: importing this module must not need it; the traced path is off on releases that might lack it)
@@ -805,8 +805,8 @@ def _check_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout
                            output_mask, lora_mask):  # fmt: skip
     op = "lora_linear_backward"
     _check_linear(op, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask)
-    ops._check_floating("grad_out", grad_out)
-    ops._check_shape(op, "grad_out", grad_out, (*x.shape[:-1], weight.shape[0]), "x @ weight.T")
+    core._check_floating("grad_out", grad_out)
+    core._check_shape(op, "grad_out", grad_out, (*x.shape[:-1], weight.shape[0]), "x @ weight.T")
     _check_mids(op, x, lora_a, lora_mid, lora_mask)
 
 
@@ -900,7 +900,7 @@ def _linear_op_autograd(keyset, x, weight, lora_a, lora_b, scaling, dropout, dro
 
 _lib.impl("lora_linear", _linear_op_autograd, "Autograd", with_keyset=True)
 for _name in ("lora_linear_forward", "lora_linear_backward"):
-    _lib.impl(_name, ops._internal_op_autograd(_name), "Autograd", with_keyset=True)
+    _lib.impl(_name, core._internal_op_autograd(_name), "Autograd", with_keyset=True)
 
 
 @getattr(torch._dynamo, "nonstrict_trace", lambda fn: fn)

@@ -2,7 +2,7 @@
 
 These functions are the kernels that run on any device without compiled code (CPU, XLA, CUDA when the user allowed
 the fallback), the fast twin of the tests' fp64 oracle, and what neuron_backend lowers. They take already-validated
-inputs (ops.py checks them) and follow the numerics contract of design.md section 4:
+inputs (core.py checks them) and follow the numerics contract of design.md section 4:
 
 - RMSNorm reproduces transformers' `Gemma4RMSNorm.forward` (modeling_gemma4.py: `x.float()`, `pow(2).mean(-1)`,
   `torch.pow(ms + eps, -0.5)`, times `weight.float()`, `type_as(x)`), so fp32 models match stock bit for bit on CPU.
