@@ -1,6 +1,6 @@
 // adamw.cu: the CUDA kernel of g4ops::adamw_step, one AdamW update of a list of tensors in place.
 //
-// Semantics (the contract is g4ops/reference.py `adamw_step`): for each tensor i, with t = steps[i] (the step
+// Semantics (the contract is g4ops/ops/reference.py `adamw_step`): for each tensor i, with t = steps[i] (the step
 // number already counted, a float32 scalar on the device), element by element in the accumulation type A (float;
 // double for double tensors), with every coefficient rounded once from its double value to A:
 //   p -= (lr * weight_decay) * p                   (only when weight_decay != 0)
@@ -21,7 +21,7 @@
 // Layout: each tensor gets a grid of as many blocks as can be resident, every thread moves 16-byte vectors of all
 // four tensors, nothing is read twice. One launch per tensor: the 278 E4B tensors under 10 K elements cost a few
 // microseconds each. The four tensors of an entry share shape and strides and are non-overlapping and dense
-// (checked in g4ops/ops.py), so their elements are the same `numel` consecutive slots from each data pointer.
+// (checked in g4ops/ops/core.py), so their elements are the same `numel` consecutive slots from each data pointer.
 // 16-byte vectors when all four pointers are 16-byte aligned, element by element otherwise (views at odd offsets);
 // 64-bit indices (E4B's per-layer-input table has 2.8 B elements). No host sync, no allocation: a CUDA graph
 // captures the call.
@@ -144,7 +144,7 @@ void launch_adamw(const at::Tensor& param, const at::Tensor& grad, const at::Ten
 void adamw_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                      at::TensorList exp_avg_sqs, at::TensorList steps, double lr, double beta1, double beta2,
                      double weight_decay, double eps) {
-  // Shapes, strides, dtypes and devices were checked in g4ops/ops.py; these guard the pointer arithmetic only.
+  // Shapes, strides, dtypes and devices were checked in g4ops/ops/core.py; these guard the pointer arithmetic only.
   const size_t count = params.size();
   G4OPS_CHECK(grads.size() == count && exp_avgs.size() == count && exp_avg_sqs.size() == count &&
                   steps.size() == count,

@@ -1,7 +1,7 @@
 // decode_attention.cu: CUDA kernels for g4ops::decode_attention, attention of one query token per sequence over a
 // KV cache, grouped-query without repeating K/V.
 //
-// Semantics (the contract is g4ops/reference.py `decode_attention`). q [B, Hq, 1, D], k and v [B, Hkv, S, D], mask
+// Semantics (the contract is g4ops/ops/reference.py `decode_attention`). q [B, Hq, 1, D], k and v [B, Hkv, S, D], mask
 // bool [B or 1, 1, 1, S]; query head h reads KV head h / G, G = Hq / Hkv (transformers' repeat_kv order). In the
 // accumulation type A (float; double for double inputs), over the visible keys s (mask true):
 //   score_s = (sum_d q_d k_sd) * scale,   m = max_s score_s
@@ -311,7 +311,7 @@ at::Tensor decode_attention_aten(const at::Tensor& q, const at::Tensor& k, const
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Checks of what the kernels rely on (ops.py checks everything first, with the same wording).
+// Checks of what the kernels rely on (ops/core.py checks everything first, with the same wording).
 
 void check_decode_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& mask) {

@@ -30,8 +30,8 @@ namespace g4ops {
 // a failed TORCH_CHECK inside these nvcc-compiled launchers crashed the process (SIGSEGV, 2026-11-29), and so does a
 // failed G4OPS_CHECK (2026-12-04: softcap_xent_rows with non-contiguous logits, alone in a six-line script), while
 // TORCH_CHECK_TYPE failures raise TypeError normally; the cause is not established. So every argument a user or
-// g4ops can get wrong is checked in Python before the op (g4ops/ops.py, g4ops/loss.py's softcap_xent_rows), and
-// these checks only guard the pointer arithmetic.
+// g4ops can get wrong is checked in Python before the op (g4ops/ops/core.py, g4ops/ops/loss.py's
+// softcap_xent_rows), and these checks only guard the pointer arithmetic.
 #define G4OPS_CHECK(cond, ...) TORCH_CHECK_WITH(Error, cond, __VA_ARGS__)
 
 // ---------------------------------------------------------------------------------------------------------------

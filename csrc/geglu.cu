@@ -1,6 +1,6 @@
 // geglu.cu: CUDA kernels for g4ops::geglu_mlp, g4ops::geglu_mlp_forward and g4ops::geglu_mlp_backward.
 //
-// Semantics (the contract is g4ops/reference.py; design.md section 4). Weights are nn.Linear [out, in], no bias.
+// Semantics (the contract is g4ops/ops/reference.py; design.md section 4). Weights are nn.Linear [out, in], no bias.
 //   forward   gate = x @ w_gate.T, up = x @ w_up.T (GEMM outputs, rounded to x.dtype like F.linear's)
 //             h    = cast( gelu_tanh(gate32) * up32 )          one rounding; the gelu is ATen's tanh formula
 //             out  = h @ w_down.T

@@ -1,10 +1,10 @@
 // rms_norm.cu: CUDA kernels for g4ops::rms_norm and g4ops::rms_norm_backward.
 //
-// Semantics (the contract is g4ops/reference.py; design.md section 4):
+// Semantics (the contract is g4ops/ops/reference.py; design.md section 4):
 //   forward   y[r, :] = cast( (x32[r, :] * inv_r) * w32 ),  inv_r = (sum_k x32[r, k]^2 * (1/N) + eps)^-1/2
 //             (fp32 math, one rounding to x.dtype; no weight -> no multiply; inv_r correctly rounded through fp64,
 //             inverse_rms in g4ops_common.cuh, where torch's CUDA pow(t, -0.5) is rsqrtf, up to 2 ulp off: so this
-//             matches reference.py run on CUDA up to summation order and that 2 ulp).
+//             matches ops/reference.py run on CUDA up to summation order and that 2 ulp).
 //   backward  dyw = dy32 * w32 (or dy32), xhat = x32 * inv_r, m_r = inv_r * sum_k(dyw * x32) * (1/N)
 //             dx = cast( inv_r * (dyw - xhat * m_r) )
 //             dw = cast_to_weight_dtype( sum_r dy32 * xhat ), reduced in fp32 deterministically: every CTA owns a
@@ -237,7 +237,7 @@ int pick_vec(const at::Tensor& x, const RowIndexer& xi, const at::Tensor* x2, co
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// ATen path: float64 and very wide rows. Same expressions as reference.py.
+// ATen path: float64 and very wide rows. Same expressions as ops/reference.py.
 
 at::Tensor rms_norm_aten(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps) {
   return normalized_aten(x, weight, eps).to(x.scalar_type()).contiguous();
@@ -251,7 +251,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_aten(const at::Tensor& grad
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Checks (same wording as ops.py).
+// Checks (same wording as ops/core.py).
 
 void check_rms_norm_inputs(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& weight,
                            double eps) {

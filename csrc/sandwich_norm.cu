@@ -2,9 +2,9 @@
 //
 // Gemma's sandwich: a block's branch output is post-normed and added to the residual stream, and that sum is
 // pre-normed for the next block. Fusing the three steps reads each activation once and rounds the sum once.
-// Semantics (the contract is g4ops/reference.py `sandwich_norm` / `sandwich_norm_backward`; design.md section 4),
+// Semantics (the contract is g4ops/ops/reference.py `sandwich_norm` / `sandwich_norm_backward`; design.md section 4),
 // per row, fp32 math, inv(v) = (sum_k v32_k^2 * (1/N) + eps)^-1/2 correctly rounded (inverse_rms, as in rms_norm.cu:
-// reference.py run on CUDA up to summation order and rsqrtf's 2 ulp), no weight -> no multiply:
+// ops/reference.py run on CUDA up to summation order and rsqrtf's 2 ulp), no weight -> no multiply:
 //   forward   s = cast( res32 + (b32 * inv(b32)) * wpost32 )       one rounding of the sum (stock rounds twice)
 //             y = cast( (s32 * inv(s32)) * wpre32 )                of the ROUNDED s: what the next layer reads
 //   backward  with gs = grad_sum, gn = grad_normed, b = branch, s = the forward's rounded sum:
@@ -295,7 +295,7 @@ __global__ void sandwich_norm_bwd_kernel(const T* __restrict__ grad_sum,        
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// ATen path: float64, very wide rows, gradients of another dtype. Same expressions as reference.py (the rms_norm
+// ATen path: float64, very wide rows, gradients of another dtype. Same expressions as ops/reference.py (the rms_norm
 // pieces, normalized_aten and rms_norm_backward_acc_aten, are in g4ops_common.cuh).
 
 std::tuple<at::Tensor, at::Tensor> sandwich_norm_aten(const at::Tensor& branch, const at::Tensor& residual,
@@ -435,7 +435,7 @@ bool sandwich_fwd_typed(const FwdArgs& a) {
 std::tuple<at::Tensor, at::Tensor> sandwich_norm_cuda(const at::Tensor& branch_in, const at::Tensor& residual_in,
                                                       const std::optional<at::Tensor>& post_weight,
                                                       const std::optional<at::Tensor>& pre_weight, double eps) {
-  // inputs were checked by ops.py (BackendSelect guard) before this kernel runs
+  // inputs were checked by ops/core.py (BackendSelect guard) before this kernel runs
   const c10::cuda::CUDAGuard guard(branch_in.device());
   const auto dt = branch_in.scalar_type();
   if (dt == at::kDouble) return sandwich_norm_aten(branch_in, residual_in, post_weight, pre_weight, eps);
@@ -555,7 +555,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sandwich_norm_backwar
     const at::Tensor& grad_sum_in, const at::Tensor& grad_normed_in, const at::Tensor& branch_in,
     const at::Tensor& s_in, const std::optional<at::Tensor>& post_weight, const std::optional<at::Tensor>& pre_weight,
     double eps, std::array<bool, 2> weight_grads) {
-  // inputs were checked by ops.py (BackendSelect guard) before this kernel runs
+  // inputs were checked by ops/core.py (BackendSelect guard) before this kernel runs
   const c10::cuda::CUDAGuard guard(branch_in.device());
   const auto dt = branch_in.scalar_type();
   const bool want_post = post_weight.has_value() && weight_grads[0];

@@ -1,6 +1,6 @@
-// softcap_xent.cu: the elementwise part of g4ops.linear_cross_entropy (g4ops/loss.py) as one CUDA kernel, the
-// internal op g4ops_kernels::softcap_xent_rows. Internal: CUDA only, no autograd, no fake kernel; loss.py calls it on
-// each chunk's logits (a fresh GEMM output) instead of the Inductor-compiled `_chunk_loss` / `_chunk_loss_grad`.
+// softcap_xent.cu: the elementwise part of g4ops.linear_cross_entropy (g4ops/ops/loss.py) as one CUDA kernel, the
+// internal op g4ops_kernels::softcap_xent_rows. Internal: CUDA only, no autograd, no fake kernel; ops/loss.py calls
+// it on each chunk's logits (a fresh GEMM output) instead of the Inductor-compiled `_chunk_loss` / `_chunk_loss_grad`.
 //
 // Semantics, per row r of logits x [n, V] (fp16/bf16/fp32, last dim contiguous, any row stride), all math in fp32:
 //   t_j = tanh(x_j * (1/cap)),  z_j = t_j * cap          (z_j = x_j when cap == 0)
@@ -9,7 +9,7 @@
 //   row_loss[r] = valid[r] ? lse[r] - z[safe[r]] : 0
 //   with row_scale (fp32 [n]): x is overwritten IN PLACE with
 //   d_j = cast( ((exp(z_j - lse) - [j == safe[r] and valid[r]]) * row_scale[r]) * (1 - t_j^2 if cap else 1) )
-//   (loss.py's `_grad_from`, one rounding to the logits dtype); without row_scale x is only read.
+//   (ops/loss.py's `_grad_from`, one rounding to the logits dtype); without row_scale x is only read.
 // x * (1/cap) with 1/cap rounded to fp32 is what ATen's CUDA `z / cap` computes for a scalar `cap` (it multiplies
 // by the reciprocal); z = t * cap is rounded before z - lse (__fmul_rn: no FMA contraction), as the Python helpers
 // round it. tanhf / expf / logf are the accurate CUDA functions (max 2 ulp), never the __expf-style intrinsics.
@@ -102,7 +102,7 @@ __device__ __forceinline__ void accumulate(const float (&x)[N], float cap, float
   for (int k = 0; k < N; ++k) s += expf(z[k] - sh);
 }
 
-// Pass 2: d loss / d logit for element j (loss.py's `_grad_from`, in its order of operations).
+// Pass 2: d loss / d logit for element j (ops/loss.py's `_grad_from`, in its order of operations).
 template <bool CAP>
 __device__ __forceinline__ float grad_of(float x, bool is_label, float lse, float rs, float cap, float inv_cap) {
   float t;
@@ -247,7 +247,7 @@ std::tuple<at::Tensor, at::Tensor> softcap_xent_rows_cuda(const at::Tensor& logi
   constexpr const char* op = "g4ops_kernels.softcap_xent_rows";
   const auto dt = logits.scalar_type();
   TORCH_CHECK_TYPE(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat, op,
-                   ": `logits` must be float16, bfloat16 or float32 (float64 takes loss.py's ATen path), got ", dt);
+                   ": `logits` must be float16, bfloat16 or float32 (float64 takes ops/loss.py's ATen path), got ", dt);
   G4OPS_CHECK(logits.is_cuda(), op, ": `logits` must be a CUDA tensor, got one on ", logits.device());
   G4OPS_CHECK(logits.dim() == 2, op, ": `logits` must be [rows, vocab], got ", logits.dim(), " dims");
   const int64_t n = logits.size(0), V = logits.size(1);
