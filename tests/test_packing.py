@@ -237,7 +237,8 @@ def test_sliding_layers_on_g4ops_attention_with_the_batch_mask_equal_each_sequen
                                                                                          kernel_masks, monkeypatch):
     """attention_interface.MASKED_SLIDING_VIA_G4OPS (G4OPS_MASKED_SLIDING=g4ops, opt-in): a padded or packed
     batch's sliding layers run g4ops.attention with the window and the batch's mask too, so every layer of both
-    forwards does; loss, logits and gradients equal each sequence's alone in fp64 (the pad run of 9 leaves sliding rows without a key)."""
+    forwards does; loss, logits and gradients equal each sequence's alone in fp64 (the pad run of 9 leaves sliding
+    rows without a key)."""
     seqs, oracle = _oracle(device)
     batch, places = BATCHES[layout]([s.cpu() for s in seqs])
     model = _g4ops_model(F64, device)

@@ -229,8 +229,9 @@ def g4ops_attention_forward(
     # causal-only masks: transformers' masks narrow the causal (sliding) pattern unless a config asks for
     # bidirectional (vision) blocks, which neither would compute (they see no key past a query).
     # Mixed dtypes (not from autocast, cast above) stay on stock SDPA.
+    bidirectional = getattr(getattr(module, "config", None), "use_bidirectional_attention", None) is not None
     training_masked = (plain and causal and q_len == kv_len and query.dtype == key.dtype == value.dtype
-                       and getattr(getattr(module, "config", None), "use_bidirectional_attention", None) is None)  # fmt: skip
+                       and not bidirectional)  # fmt: skip
 
     def masked(mask, every_row_sees_a_key: bool = False):
         if (training_masked and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1

@@ -184,7 +184,7 @@ def make_linear_forward(peft_forward):
     """The forward g4ops.hf.patches puts on a peft lora.Linear projection of a Gemma-4 attention (enable(model)): inside
     a torch.compile trace, the layer through `lora_linear` where `projection_terms` says the op reproduces peft, else
     `peft_forward` (peft's class forward), the reason logged once; eager calls run `peft_forward` unless
-    EAGER_LINEAR_VIA_OP (section "One projection" says why). Merged, disabled or inactive adapters: peft's forward,
+    EAGER_LINEAR_VIA_OP (its comment says why). Merged, disabled or inactive adapters: peft's forward,
     which then runs the base layer alone."""
 
     def forward(self, x, *args, **kwargs):
