@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -147,9 +148,20 @@ def _free_port() -> int:
 def distributed_results():
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True)
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    for attempt in (1, 2):
+        with tempfile.TemporaryDirectory() as out_dir:
+            try:
+                mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True)
+            except mp.ProcessExitedException as exc:
+                # A rank killed by a signal, not by a Python error (those raise ProcessRaisedException and fail
+                # here): once in CI (2026-12-07, 2 cores, torch 2.13) rank 1 aborted with "terminate called without
+                # an active exception" from C++ during the DDP step, and the same test then passed 3 runs of 3.
+                # One fresh try; a second abort fails the test.
+                if attempt == 2 or exc.signal_name is None:
+                    raise
+                warnings.warn(f"test_distributed: {exc}; spawning the ranks once more", stacklevel=1)
+                continue
+            return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 
 @pytest.fixture(scope="module")
