@@ -132,9 +132,12 @@ def test_compiled_dropout_and_two_adapters_draw_peft_masks(device, fresh_dynamo)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_compiled_mlp_under_autocast_traces_the_math_like_eager(device, fresh_dynamo):
+def test_compiled_mlp_under_autocast_traces_the_math_like_eager(device, fresh_dynamo, monkeypatch):
     """Under torch.autocast (Trainer's bf16=True) the compiled MLP holds the LoRA math with autocast's casts, no graph
-    break, and gives eager g4ops' bf16 results (aot_eager: the same ATen kernels)."""
+    break, and gives eager g4ops' bf16 results bit for bit when both run ATen's kernels: aot_eager here, and the eager
+    op with its math uncompiled (on CUDA the op compiles it by default, and Inductor's fused elementwise kernels round
+    the bf16 intermediates differently: 2 ulp apart on an H100, 2026-12-07)."""
+    monkeypatch.setattr(lora, "_LORA_COMPILE", "0")
     model = _mlp_model(device).train()
     x, grad_out = _inputs(device, F32)
     eager = _run(model, x, grad_out, enabled=True, autocast=BF16)
