@@ -709,6 +709,51 @@ def test_compiled_graph_traces_the_lora_math_unless_graphed_and_warns_once_when_
     assert all("reduce-overhead" in str(w.message) for w in opaque)
 
 
+@pytest.mark.parametrize("setting", [None, "0"], ids=["split-unset", "G4OPS_LORA_SPLIT=0"])
+@pytest.mark.parametrize("graphed", [False, True], ids=["default-mode", "graphed"])
+def test_graphed_compile_asks_the_ops_for_split_products(setting, graphed, monkeypatch):
+    """A compile that replays CUDA graphs calls the LoRA ops with split=True (the split products pay only there:
+    SPLIT_DEVICES' comment), one that does not with split=False, and G4OPS_LORA_SPLIT=0 never asks; the flag reaches
+    the math: a bf16 model's fp32 adapters then take their products through `_split_mm` (on CPU in fp32 arithmetic),
+    and the step still matches stock peft's."""
+    monkeypatch.setattr(lora, "TRACE_UNDER_COMPILE", False)  # the ops in both modes, so their flag is in the graph
+    monkeypatch.setattr(lora, "TRACE_WHEN_GRAPHED", False)
+    monkeypatch.setattr(lora, "SPLIT_DEVICES", set())
+    monkeypatch.setattr(lora, "SPLIT_WHEN_GRAPHED", setting != "0")
+    monkeypatch.setattr(lora, "_outer_compile_replays_graphs", lambda: graphed)
+    split_calls, split_mm = [], lora._split_mm
+    monkeypatch.setattr(lora, "_split_mm", lambda a, b: split_calls.append(1) or split_mm(a, b))
+    base = build_model("tiny-e4b", num_layers=1, dtype=BF16)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    model = peft.get_peft_model(base, config).train()  # peft keeps the adapters of a bf16 model in fp32
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {F32}
+    ids = torch.randint(3, base.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+    graphs = []
+
+    def recorder(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    stock_loss = model(ids, labels=ids).loss
+    torch._dynamo.reset()
+    try:
+        with g4ops.enable(base), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the default mode's "calls the ops opaquely" (tested above)
+            compiled = torch.compile(model, backend=recorder, fullgraph=True)
+            loss = compiled(ids, labels=ids).loss
+            loss.backward()
+    finally:
+        torch._dynamo.reset()
+    calls = [node for gm in graphs for node in gm.graph.nodes
+             if node.op == "call_function" and str(node.target).startswith(("g4ops.lora_", "g4ops::lora_"))]  # fmt: skip
+    flags = {node.kwargs.get("split", node.args[-1] if isinstance(node.args[-1], bool) else False) for node in calls}
+    expected = graphed and setting != "0"
+    assert len(calls) == 5 and flags == {expected}  # q, k, v, o and the MLP, [(str(n.target), n.args[-1], n.kwargs) for n in calls]
+    assert bool(split_calls) == expected
+    assert O.rel_err(loss.detach().float(), stock_loss.detach().float()) <= 1e-2  # bf16 model, reordered sums
+
+
 _GRAPHED_COMPILES = [
     ({}, False),
     ({"mode": "reduce-overhead"}, True),

@@ -34,7 +34,7 @@ MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 # Eager calls (no torch.compile tracing the model: HF Trainer's default) of a routed projection run peft's own forward
 # instead (`make_linear_forward`): there the op's per-call host cost outweighs what it saves on the GPU, a few
-# elementwise passes over [T, out] that its inner compile fuses (G4OPS_LORA_SPLIT's products are off by default; the
+# elementwise passes over [T, out] that its inner compile fuses (the split products are off outside CUDA graphs; the
 # adapter GEMMs are peft's). On an H100 machine (torch 2.11, 2026-12-06, bench/lora_host.py at
 # tiny widths, where the time is the host's) a q_proj forward and backward took 1139-1340 us through the op against
 # 537-826 us through peft; a 42-layer eager E4B LoRA step (r=16, 2048 tokens, packed or padded) that called the op on

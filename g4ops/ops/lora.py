@@ -37,12 +37,13 @@ between them (the low-rank adds and casts, dropout masks, the GeGLU product and 
 makes about a dozen full-size fp32 passes per MLP backward. csrc's GeGLU kernels do not fit: geglu_mlp_backward
 computes dh from the base down weight alone and returns no dgate/dup, which the adapter gradients need, and its
 forward kernel alone (`gelu_tanh_mul`, run in eager mode when the compiled path is off) has no fake kernel to compile
-through. With G4OPS_LORA_SPLIT=1, fp32 adapters of a bf16 model take their products on bf16 tensor cores, the fp32
-operands split exactly into bf16 parts (`_split_mm`; opt-in, `SPLIT_DEVICES` says why), and the K=r products that
-land in a bf16 output (B's in y, A's in dz) fold into one GEMM that adds them to the base GEMM's bf16 output and
-rounds once (`_plus_low_rank`). y then has peft's roundings; in dz the base GEMM's output is rounded to bf16 before
-the adapters' terms are added, as peft does (the path without split sums them in fp32), and dh reaches the GeGLU
-backward in bf16, as peft's does.
+through. In the ops called from a compile that replays CUDA graphs (or everywhere on CUDA with G4OPS_LORA_SPLIT=1;
+never with =0), fp32 adapters of a bf16 model take their products on bf16 tensor cores, the fp32 operands split
+exactly into bf16 parts (`_split_mm`; the ops' `split` flag, `SPLIT_DEVICES` says why only there), and the K=r
+products that land in a bf16 output (B's in y, A's in dz) fold into one GEMM that adds them to the base GEMM's bf16
+output and rounds once (`_plus_low_rank`). y then has peft's roundings; in dz the base GEMM's output is rounded to
+bf16 before the adapters' terms are added, as peft does (the path without split sums them in fp32), and dh reaches
+the GeGLU backward in bf16, as peft's does.
 
 Inside an outer torch.compile (`torch.compiler.is_compiling()` in `lora_geglu_mlp`) that does not replay CUDA
 graphs there is no opaque op (below: when, and the measurements): the
@@ -65,8 +66,8 @@ tokens, g4ops attention, 2026-12-06, bench/results/2026-12-06-h100-session37.md)
 - default mode: traced 13276 tok/s, 24.7 GiB, stock compile 8902 and 32.1 GiB in the same call. The op's per-call
   host cost, 132 attention projections and 42 MLPs, made that step host-bound (a 6-layer step: 63.3 ms of wall time
   against 28.6 ms of GPU work; traced 30.1 against 28.3); packed 4 x 512 ran at 4441 tok/s with the op, 9148 traced.
-- graphed: the op 17890 tok/s (session 32, with G4OPS_LORA_SPLIT=1), traced 13669 (without it; traced with it,
-  graphed, not yet timed).
+- graphed: the op 17890 tok/s (session 32, with G4OPS_LORA_SPLIT=1, what a graphed compile now asks for by
+  itself), traced 13669 (without split products; traced with them, graphed, not yet timed).
 Under torch 2.11 every traced gradient once came back all zeros (pytorch issue 180642) until the traced forward
 returned a fresh tensor. Session 19 (H200, 2026-12-03, older code, attention projections on peft) timed the traced
 default-mode step at 8119 tok/s against the op's 12424 and kept the path off below torch 2.13; what made the
@@ -102,22 +103,29 @@ _LINEAR_ADAPTER_ARGS = "Tensor[] lora_a, Tensor[] lora_b, float[] scaling, float
 _SCHEMAS = {
     # lora_a/lora_b/scaling/dropout: the adapters of gate_proj (counts[0] of them), then up_proj's, then down_proj's.
     # dropout_mask: one bool mask (True = kept) of the adapter's input shape per adapter whose dropout p is > 0.
-    "lora_geglu_mlp": f"lora_geglu_mlp(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, {_ADAPTER_ARGS}) -> Tensor",
+    # split: fp32 adapters of a bf16 model take their products split into bf16 parts (`_splits`), on any device.
+    "lora_geglu_mlp": (
+        f"lora_geglu_mlp(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, {_ADAPTER_ARGS}, bool split=False)"
+        " -> Tensor"
+    ),
     "lora_geglu_mlp_forward": (
-        f"lora_geglu_mlp_forward(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, {_ADAPTER_ARGS})"
-        " -> (Tensor, Tensor, Tensor, Tensor[])"
+        f"lora_geglu_mlp_forward(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, {_ADAPTER_ARGS},"
+        " bool split=False) -> (Tensor, Tensor, Tensor, Tensor[])"
     ),
     "lora_geglu_mlp_backward": (
         "lora_geglu_mlp_backward(Tensor grad_out, Tensor x, Tensor gate, Tensor up, Tensor w_gate, Tensor w_up,"
-        f" Tensor w_down, {_ADAPTER_ARGS}, Tensor[] lora_mid, bool[4] output_mask, bool[] lora_mask)"
-        " -> (Tensor, Tensor, Tensor, Tensor, Tensor[], Tensor[])"
+        f" Tensor w_down, {_ADAPTER_ARGS}, Tensor[] lora_mid, bool[4] output_mask, bool[] lora_mask,"
+        " bool split=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor[], Tensor[])"
     ),
     # One projection (attention's q/k/v/o): its adapters, all of them on `weight`.
-    "lora_linear": f"lora_linear(Tensor x, Tensor weight, {_LINEAR_ADAPTER_ARGS}) -> Tensor",
-    "lora_linear_forward": f"lora_linear_forward(Tensor x, Tensor weight, {_LINEAR_ADAPTER_ARGS}) -> (Tensor, Tensor[])",
+    "lora_linear": f"lora_linear(Tensor x, Tensor weight, {_LINEAR_ADAPTER_ARGS}, bool split=False) -> Tensor",
+    "lora_linear_forward": (
+        f"lora_linear_forward(Tensor x, Tensor weight, {_LINEAR_ADAPTER_ARGS}, bool split=False)"
+        " -> (Tensor, Tensor[])"
+    ),
     "lora_linear_backward": (
         f"lora_linear_backward(Tensor grad_out, Tensor x, Tensor weight, {_LINEAR_ADAPTER_ARGS}, Tensor[] lora_mid,"
-        " bool[2] output_mask, bool[] lora_mask) -> (Tensor, Tensor, Tensor[], Tensor[])"
+        " bool[2] output_mask, bool[] lora_mask, bool split=False) -> (Tensor, Tensor, Tensor[], Tensor[])"
     ),
 }
 for _schema in _SCHEMAS.values():
@@ -130,7 +138,7 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Input checks (reference kernels and fake kernels call them, so compile-time and run-time errors agree)
 
 
-def _check_adapters(op, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask):
+def _check_adapters(op, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask, split=False):
     core._check_geglu(x, w_gate, w_up, w_down)
     core._check(
         len(counts) == 3 and all(c >= 0 for c in counts),
@@ -143,7 +151,7 @@ def _check_adapters(op, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts
     _check_adapter_list(op, x, lora_a, lora_b, scaling, dropout, dropout_mask, dims)
 
 
-def _check_linear(op, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
+def _check_linear(op, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, split=False):
     core._check_floating("x", x)
     core._check_floating("weight", weight)
     core._check(x.dim() >= 1, lambda: f"g4ops.{op}: `x` must have at least one dimension")
@@ -197,7 +205,7 @@ def _check_adapter_list(op, x, lora_a, lora_b, scaling, dropout, dropout_mask, d
 
 
 def _check_backward(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout,
-                    dropout_mask, lora_mid, output_mask, lora_mask):  # fmt: skip
+                    dropout_mask, lora_mid, output_mask, lora_mask, split=False):  # fmt: skip
     op = "lora_geglu_mlp_backward"
     _check_adapters(op, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask)
     out_shape, inter_shape = (*x.shape[:-1], w_down.shape[0]), (*x.shape[:-1], w_gate.shape[0])
@@ -240,19 +248,24 @@ def _dropped(t, drop):
     return t if mask is None else (t * mask.to(t.dtype)) * (1.0 / (1.0 - p))
 
 
-# Devices where fp32 adapters of a bf16 model take their products over tokens and features on bf16 tensor cores
-# (`_split_mm`): CUDA with G4OPS_LORA_SPLIT=1, else none. It trades GPU time for host time, so it pays only where the
-# op's per-call host cost is gone, under CUDA graphs (torch.compile mode="reduce-overhead"). On the H200 (torch 2.11,
-# 2026-12-04, E4B shapes, r=16, 2048 tokens): an MLP forward and backward took 2.47 ms of GPU against 3.60 ms; the
-# 42-layer default-mode compiled step, host-bound, fell from 11610 to 10030 tok/s (session 22), while a graphed
-# 4-layer step rose from 69440 to 75191 tok/s (bench/results/2026-12-04-h200-session23.md). Opt-in, as the default
-# compile mode is what most users run. The tests add "cpu", where the same arithmetic runs in fp32.
-SPLIT_DEVICES = {"cuda"} if os.environ.get("G4OPS_LORA_SPLIT") == "1" else set()
+# The split products: fp32 adapters of a bf16 model take their products over tokens and features on bf16 tensor
+# cores (`_split_mm`) and fold the K=r ones into the base GEMMs (`_plus_low_rank`). They trade host time (more, smaller
+# kernels) for GPU time, so they pay where the op's per-call host cost is gone: under CUDA graphs. On the H200 (torch
+# 2.11, 2026-12-04, E4B shapes, r=16, 2048 tokens): an MLP forward and backward took 2.47 ms of GPU against 3.60 ms;
+# the 42-layer default-mode compiled step, host-bound, fell from 11610 to 10030 tok/s (session 22), while a graphed
+# 4-layer step rose from 69440 to 75191 tok/s (bench/results/2026-12-04-h200-session23.md). So the ops calls from a
+# compile that replays CUDA graphs ask for them (`split=True`, `_split_in_this_compile`), and nothing else does.
+# G4OPS_LORA_SPLIT=1 also takes them in every call on CUDA (SPLIT_DEVICES; the tests add "cpu", where the same
+# arithmetic runs in fp32); =0 never, graphed compiles included.
+_SPLIT_SETTING = {"1": True, "0": False}.get(os.environ.get("G4OPS_LORA_SPLIT", ""))
+SPLIT_DEVICES = {"cuda"} if _SPLIT_SETTING else set()
+SPLIT_WHEN_GRAPHED = _SPLIT_SETTING is not False
 
 
-def _splits(bf16_operand, lora_a) -> bool:
-    """Whether the products of these fp32 adapters with this bf16 operand go through `_split_mm`."""
-    return (bf16_operand.dtype == torch.bfloat16 and bf16_operand.device.type in SPLIT_DEVICES
+def _splits(bf16_operand, lora_a, split: bool) -> bool:
+    """Whether the products of these fp32 adapters with this bf16 operand go through `_split_mm`: the op was asked
+    to (`split`) or the operand's device always splits (SPLIT_DEVICES)."""
+    return ((split or bf16_operand.device.type in SPLIT_DEVICES) and bf16_operand.dtype == torch.bfloat16
             and all(a.dtype == torch.float32 for a in lora_a))  # fmt: skip
 
 
@@ -353,11 +366,11 @@ def _plus_low_rank(out, pairs):
     return rows.view(out.shape)
 
 
-def _split_products(source, *projections):
+def _split_products(source, *projections, split: bool):
     """A_a(source) of every adapter that takes the split path (`_splits`, no dropout), for projections that read the
     same source (gate's and up's adapters read x), as one `_split_mm`; None for the others. projections: (lora_a,
     drops) per projection; returns one list per projection."""
-    wanted = [(k, i) for k, (lora_a, drops) in enumerate(projections) if _splits(source, lora_a)
+    wanted = [(k, i) for k, (lora_a, drops) in enumerate(projections) if _splits(source, lora_a, split)
               for i, drop in enumerate(drops) if drop[1] is None]  # fmt: skip
     out = [[None] * len(lora_a) for lora_a, _ in projections]
     if wanted:
@@ -367,14 +380,14 @@ def _split_products(source, *projections):
     return out
 
 
-def _with_adapters(base_out, z, lora_a, lora_b, scaling, drops, split_mids=None):
+def _with_adapters(base_out, z, lora_a, lora_b, scaling, drops, split: bool, split_mids=None):
     """peft's `lora.Linear.forward` after the base layer, in its order and dtypes: (y, [A_a(dropout_a(z_a))]).
     Split (`_splits`): the same sum, with A's products from `_split_products` (`split_mids`, when the caller took
     them together with another projection's) and B's folded into one GEMM that adds them to the base output."""
     y, mids = base_out, []
-    split = _splits(z, lora_a)  # with `split`, every cast below is bf16 -> fp32: exact
     if split_mids is None:
-        split_mids = _split_products(z, (lora_a, drops))[0]
+        split_mids = _split_products(z, (lora_a, drops), split=split)[0]
+    split = _splits(z, lora_a, split)  # then every cast below is bf16 -> fp32: exact
     for a, b, s, drop, split_mid in zip(lora_a, lora_b, scaling, drops, split_mids):
         z = z.to(a.dtype)  # peft's _cast_input_dtype, cumulative like its loop
         mid = split_mid if split_mid is not None else F.linear(_dropped(z, drop), a)
@@ -395,26 +408,27 @@ def _gelu_tanh_mul(gate, up):
     return reference.gelu_tanh_mul(gate, up)
 
 
-def lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask):
+def lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask,
+                                split=False):  # fmt: skip
     ga, ua, da = _split(lora_a, counts)
     gb, ub, db = _split(lora_b, counts)
     gs, us, ds = _split(scaling, counts)
     gd, ud, dd = _split(_per_adapter_masks(dropout, dropout_mask), counts)
-    gate_split, up_split = _split_products(x, (ga, gd), (ua, ud))  # one GEMM over x for both
-    gate, gate_mid = _with_adapters(F.linear(x, w_gate), x, ga, gb, gs, gd, gate_split)
-    up, up_mid = _with_adapters(F.linear(x, w_up), x, ua, ub, us, ud, up_split)
+    gate_split, up_split = _split_products(x, (ga, gd), (ua, ud), split=split)  # one GEMM over x for both
+    gate, gate_mid = _with_adapters(F.linear(x, w_gate), x, ga, gb, gs, gd, split, gate_split)
+    up, up_mid = _with_adapters(F.linear(x, w_up), x, ua, ub, us, ud, split, up_split)
     h = _gelu_tanh_mul(gate, up)
-    out, down_mid = _with_adapters(F.linear(h, w_down), h, da, db, ds, dd)
+    out, down_mid = _with_adapters(F.linear(h, w_down), h, da, db, ds, dd, split)
     return out, gate, up, gate_mid + up_mid + down_mid
 
 
-def _low_rank_grads(grad_y, lora_a, lora_b, scaling, drops, mids, mask_b, acc):
+def _low_rank_grads(grad_y, lora_a, lora_b, scaling, drops, mids, mask_b, acc, split: bool):
     """One projection's adapters, the part that needs no input z: (sum_a dropout_a'(u_a @ A_a) in `acc` or None,
     [(u_a, A_a^T)] to fold into dz's base GEMM, [u_a], [dB_a]) with u_a = s_a * (dY_a @ B_a) and
     dB_a = s_a * dY_a^T @ A_a(z_a) (module docstring). Split (`_splits`), an adapter without dropout goes into the fold
     list (`_plus_low_rank`) instead of the sum."""
     grad_z, folds, us, grad_b = None, [], [], []
-    split = _splits(grad_y, lora_a)  # dY_a = dY cast to fp32: exact, so the products can read dY itself
+    split = _splits(grad_y, lora_a, split)  # dY_a = dY cast to fp32: exact, so the products can read dY itself
     for a, b, s, drop, mid, want_b in zip(lora_a, lora_b, scaling, drops, mids, mask_b):
         if split:
             u = _split_mm(_rows(grad_y), b).reshape(*grad_y.shape[:-1], b.shape[1]) * s
@@ -432,11 +446,11 @@ def _low_rank_grads(grad_y, lora_a, lora_b, scaling, drops, mids, mask_b, acc):
     return grad_z, folds, us, grad_b
 
 
-def _a_grads(z, *projections):
+def _a_grads(z, *projections, split: bool):
     """dA_a = u_a^T @ dropout_a(z_a), with z_a cast as the forward cast it and the forward's dropout mask, for
     projections that read the same z: (us, lora_a, drops, mask_a) each; one list of dA per projection. The split
     products (`_splits`, no dropout) of all of them are one `_split_mm`, which reads z once."""
-    wanted = [(k, i) for k, (us, lora_a, drops, mask_a) in enumerate(projections) if _splits(z, lora_a)
+    wanted = [(k, i) for k, (us, lora_a, drops, mask_a) in enumerate(projections) if _splits(z, lora_a, split)
               for i, (drop, want) in enumerate(zip(drops, mask_a)) if want and drop[1] is None]  # fmt: skip
     split_grads = dict(zip(wanted, _split_mm([_rows(projections[k][0][i]).t() for k, i in wanted], _rows(z))
                            if wanted else []))  # fmt: skip
@@ -460,27 +474,28 @@ def _rows(t):
 
 
 def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts,
-                                 dropout, dropout_mask, lora_mid, output_mask, lora_mask):  # fmt: skip
+                                 dropout, dropout_mask, lora_mid, output_mask, lora_mask, split=False):  # fmt: skip
     n = len(lora_a)
-    split = lambda seq: _split(seq, counts)  # noqa: E731
-    (ga, ua, da), (gb, ub, db), (gs, us, ds), (gm, um, dm) = map(split, (lora_a, lora_b, scaling, lora_mid))
-    gd, ud, dd = split(_per_adapter_masks(dropout, dropout_mask))
-    (gma, uma, dma), (gmb, umb, dmb) = split(lora_mask[:n]), split(lora_mask[n:])
+    by_projection = lambda seq: _split(seq, counts)  # noqa: E731
+    (ga, ua, da), (gb, ub, db), (gs, us, ds), (gm, um, dm) = map(by_projection, (lora_a, lora_b, scaling, lora_mid))
+    gd, ud, dd = by_projection(_per_adapter_masks(dropout, dropout_mask))
+    (gma, uma, dma), (gmb, umb, dmb) = by_projection(lora_mask[:n]), by_projection(lora_mask[n:])
     acc = reference.accumulation_dtype(x.dtype)
     empty = lambda: x.new_empty(0)  # noqa: E731
 
     # down: dh = grad_out @ W_down + sum_a u_a @ A_a, kept in fp32 into the GeGLU backward, which recomputes h
     # (split: the terms folded into the base GEMM's bf16 output, `_plus_low_rank`)
-    lora_h, down_folds, down_us, grad_db = _low_rank_grads(grad_out, da, db, ds, dd, dm, dmb, acc)
+    lora_h, down_folds, down_us, grad_db = _low_rank_grads(grad_out, da, db, ds, dd, dm, dmb, acc, split)
     grad_h = _plus_low_rank(F.linear(grad_out, w_down.t()), down_folds)
     if lora_h is not None:
         grad_h = grad_h.to(acc) + lora_h
     grad_gate, grad_up, h = reference.gelu_tanh_mul_backward(grad_h, gate, up)
-    (grad_da,) = _a_grads(h, (down_us, da, dd, dma))
+    (grad_da,) = _a_grads(h, (down_us, da, dd, dma), split=split)
 
-    lora_gx, gate_folds, gate_us, grad_gb = _low_rank_grads(grad_gate, ga, gb, gs, gd, gm, gmb, acc)
-    lora_ux, up_folds, up_us, grad_ub = _low_rank_grads(grad_up, ua, ub, us, ud, um, umb, acc)
-    grad_ga, grad_ua = _a_grads(x, (gate_us, ga, gd, gma), (up_us, ua, ud, uma))  # one GEMM over x for both
+    lora_gx, gate_folds, gate_us, grad_gb = _low_rank_grads(grad_gate, ga, gb, gs, gd, gm, gmb, acc, split)
+    lora_ux, up_folds, up_us, grad_ub = _low_rank_grads(grad_up, ua, ub, us, ud, um, umb, acc, split)
+    # one GEMM over x for both
+    grad_ga, grad_ua = _a_grads(x, (gate_us, ga, gd, gma), (up_us, ua, ud, uma), split=split)
     if output_mask[0]:
         grad_x = _plus_low_rank(F.linear(grad_gate, w_gate.t()), gate_folds + up_folds).to(acc)
         grad_x = grad_x + F.linear(grad_up, w_up.t()).to(acc)
@@ -554,6 +569,13 @@ def _trace_in_this_compile() -> bool:
     return False
 
 
+@torch.compiler.assume_constant_result  # as `_trace_in_this_compile`
+def _split_in_this_compile() -> bool:
+    """Whether the LoRA ops (or math) of this trace take the split products: the compile replays CUDA graphs and
+    G4OPS_LORA_SPLIT is not 0 (SPLIT_DEVICES' comment says why only there)."""
+    return SPLIT_WHEN_GRAPHED and _outer_compile_replays_graphs()
+
+
 def _fused(fn, *args):
     return run_compiled(fn, args, _LORA_COMPILE, _compiled, _compile_failed,
                         "g4ops.lora: torch.compile of a LoRA op's math")  # fmt: skip
@@ -603,13 +625,13 @@ def _mid_shapes(x, lora_a):
 
 
 @torch.library.register_fake("g4ops::lora_geglu_mlp", lib=_lib)
-def _op_fake(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask):
+def _op_fake(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask, split=False):
     _check_adapters("lora_geglu_mlp", x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask)
     return x.new_empty((*x.shape[:-1], w_down.shape[0]))
 
 
 @torch.library.register_fake("g4ops::lora_geglu_mlp_forward", lib=_lib)
-def _forward_fake(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask):
+def _forward_fake(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask, split=False):
     _check_adapters("lora_geglu_mlp_forward", x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout,
                     dropout_mask)  # fmt: skip
     inter = (*x.shape[:-1], w_gate.shape[0])
@@ -620,7 +642,7 @@ def _forward_fake(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, drop
 
 @torch.library.register_fake("g4ops::lora_geglu_mlp_backward", lib=_lib)
 def _backward_fake(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout,
-                   dropout_mask, lora_mid, output_mask, lora_mask):  # fmt: skip
+                   dropout_mask, lora_mid, output_mask, lora_mask, split=False):  # fmt: skip
     _check_backward(grad_out, x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout,
                     dropout_mask, lora_mid, output_mask, lora_mask)  # fmt: skip
     return _grad_fakes(x, (x, w_gate, w_up, w_down), output_mask, lora_a, lora_b, lora_mask)
@@ -639,14 +661,14 @@ def _grad_fakes(x, inputs, output_mask, lora_a, lora_b, lora_mask):
 # Autograd: the backward is one registered op, as for geglu_mlp; inside a compiled trace, its math.
 
 
-def _save(ctx, forward, scaling, counts, dropout, x, w_gate, w_up, w_down, tensors):
+def _save(ctx, forward, scaling, counts, dropout, split, x, w_gate, w_up, w_down, tensors):
     """The forward of both autograd formulas: `forward` is the op or its math; saves x, gate, up, the weights, the
     adapters, the masks and the [T, r] products (not h: the backward recomputes it)."""
     n = len(scaling)
     lora_a, lora_b, masks = list(tensors[:n]), list(tensors[n : 2 * n]), list(tensors[2 * n :])
-    out, gate, up, mids = forward(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks)
+    out, gate, up, mids = forward(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks, split)
     ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down, *tensors, *mids)
-    ctx.lists, ctx.n, ctx.masks = (scaling, counts, dropout), n, len(masks)
+    ctx.lists, ctx.n, ctx.masks = (scaling, counts, dropout, split), n, len(masks)
     return out
 
 
@@ -656,22 +678,22 @@ def _grads(ctx, backward, grad_out):
     x, gate, up, w_gate, w_up, w_down, *rest = ctx.saved_tensors
     lora_a, lora_b = list(rest[:n]), list(rest[n : 2 * n])
     masks, mids = list(rest[2 * n : 2 * n + n_masks]), list(rest[2 * n + n_masks :])
-    scaling, counts, dropout = ctx.lists
-    wanted = list(ctx.needs_input_grad[3 : 7 + 2 * n])  # x, the weights and the adapters (never the masks)
+    scaling, counts, dropout, split = ctx.lists
+    wanted = list(ctx.needs_input_grad[4 : 8 + 2 * n])  # x, the weights and the adapters (never the masks)
     grads = backward(grad_out.contiguous(), x, gate, up, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts,
-                     dropout, masks, mids, wanted[:4], wanted[4:])  # fmt: skip
+                     dropout, masks, mids, wanted[:4], wanted[4:], split)  # fmt: skip
     flat = [*grads[:4], *grads[4], *grads[5]]
-    return None, None, None, *(g if want else None for g, want in zip(flat, wanted)), *([None] * n_masks)
+    return None, None, None, None, *(g if want else None for g, want in zip(flat, wanted)), *([None] * n_masks)
 
 
 class _LoraGegluFunction(torch.autograd.Function):
-    """The op's autograd formula, eager: its steps are the opaque ops. Inputs after the three lists: x, the three
-    weights, the n lora_a, the n lora_b, then the dropout masks."""
+    """The op's autograd formula, eager: its steps are the opaque ops. Inputs after the three lists and the split
+    flag: x, the three weights, the n lora_a, the n lora_b, then the dropout masks."""
 
     @staticmethod
-    def forward(ctx, scaling, counts, dropout, x, w_gate, w_up, w_down, *tensors):
-        return _save(ctx, torch.ops.g4ops.lora_geglu_mlp_forward, scaling, counts, dropout, x, w_gate, w_up, w_down,
-                     tensors)  # fmt: skip
+    def forward(ctx, scaling, counts, dropout, split, x, w_gate, w_up, w_down, *tensors):
+        return _save(ctx, torch.ops.g4ops.lora_geglu_mlp_forward, scaling, counts, dropout, split, x, w_gate, w_up,
+                     w_down, tensors)  # fmt: skip
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -684,8 +706,9 @@ class _TracedLoraGeglu(torch.autograd.Function):
     the outer graph holds it and Dynamo traces this forward and backward into it. Same inputs."""
 
     @staticmethod
-    def forward(ctx, scaling, counts, dropout, x, w_gate, w_up, w_down, *tensors):
-        out = _save(ctx, lora_geglu_mlp_forward_math, scaling, counts, dropout, x, w_gate, w_up, w_down, tensors)
+    def forward(ctx, scaling, counts, dropout, split, x, w_gate, w_up, w_down, *tensors):
+        out = _save(ctx, lora_geglu_mlp_forward_math, scaling, counts, dropout, split, x, w_gate, w_up, w_down,
+                    tensors)  # fmt: skip
         # A fresh tensor, not the math's last intermediate itself: torch 2.11's Dynamo can route the output's
         # gradient to another slot when the returned tensor is an intermediate it also collects (pytorch issue
         # 180642), and the backward then got zeros (all-zero gradients, reproduced on CPU). Inductor fuses the copy.
@@ -699,13 +722,14 @@ class _TracedLoraGeglu(torch.autograd.Function):
 _BELOW_AUTOGRAD = torch._C._after_autograd_keyset
 
 
-def _op_autograd(keyset, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask):
+def _op_autograd(keyset, x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, dropout_mask,
+                 split=False):  # fmt: skip
     tensors = (x, w_gate, w_up, w_down, *lora_a, *lora_b)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _LoraGegluFunction.apply(list(scaling), list(counts), list(dropout), *tensors, *dropout_mask)
+        return _LoraGegluFunction.apply(list(scaling), list(counts), list(dropout), split, *tensors, *dropout_mask)
     return torch.ops.g4ops.lora_geglu_mlp.default.redispatch(keyset & _BELOW_AUTOGRAD, x, w_gate, w_up, w_down, lora_a,
-                                                             lora_b, scaling, counts, dropout,
-                                                             dropout_mask)  # fmt: skip
+                                                             lora_b, scaling, counts, dropout, dropout_mask,
+                                                             split)  # fmt: skip
 
 
 _lib.impl("lora_geglu_mlp", _op_autograd, "Autograd", with_keyset=True)
@@ -744,13 +768,17 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
     groups = (gate_adapters, up_adapters, down_adapters)
     lora_a, lora_b, scaling, dropout, masks = _adapter_lists([e for group in groups for e in group], "lora_geglu_mlp")
     counts = [len(g) for g in groups]
+    split = torch.compiler.is_compiling() and _split_in_this_compile()
     if not (torch.compiler.is_compiling() and _trace_in_this_compile()):
-        return torch.ops.g4ops.lora_geglu_mlp(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks)
+        return torch.ops.g4ops.lora_geglu_mlp(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks,
+                                              split)  # fmt: skip
     # inside an outer compile: the math into its graph, no per-call host cost (module docstring)
     _check_traced(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_gate, w_up, w_down, *lora_a, *lora_b)):
-        return _TracedLoraGeglu.apply(scaling, counts, dropout, x, w_gate, w_up, w_down, *lora_a, *lora_b, *masks)
-    return lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks)[0]
+        return _TracedLoraGeglu.apply(scaling, counts, dropout, split, x, w_gate, w_up, w_down, *lora_a, *lora_b,
+                                      *masks)  # fmt: skip
+    return lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks,
+                                       split)[0]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -768,18 +796,19 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
 # into the base GEMMs (`_plus_low_rank`): 16916 tok/s (bench/results/2026-12-05-h200-session27.md).
 
 
-def lora_linear_forward_math(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
-    return _with_adapters(F.linear(x, weight), x, lora_a, lora_b, scaling, _per_adapter_masks(dropout, dropout_mask))
+def lora_linear_forward_math(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, split=False):
+    drops = _per_adapter_masks(dropout, dropout_mask)
+    return _with_adapters(F.linear(x, weight), x, lora_a, lora_b, scaling, drops, split)
 
 
 def lora_linear_backward_math(grad_out, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, lora_mid,
-                              output_mask, lora_mask):  # fmt: skip
+                              output_mask, lora_mask, split=False):  # fmt: skip
     n = len(lora_a)
     drops = _per_adapter_masks(dropout, dropout_mask)
     acc = reference.accumulation_dtype(x.dtype)
     lora_x, folds, us, grad_b = _low_rank_grads(grad_out, lora_a, lora_b, scaling, drops, lora_mid, lora_mask[n:],
-                                                acc)  # fmt: skip
-    (grad_a,) = _a_grads(x, (us, lora_a, drops, lora_mask[:n]))
+                                                acc, split)  # fmt: skip
+    (grad_a,) = _a_grads(x, (us, lora_a, drops, lora_mask[:n]), split=split)
     if output_mask[0]:
         grad_x = _plus_low_rank(F.linear(grad_out, weight.t()), folds)
         if lora_x is not None:
@@ -802,7 +831,7 @@ def _linear_forward_kernel(*args):
 
 
 def _check_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, lora_mid,
-                           output_mask, lora_mask):  # fmt: skip
+                           output_mask, lora_mask, split=False):  # fmt: skip
     op = "lora_linear_backward"
     _check_linear(op, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask)
     core._check_floating("grad_out", grad_out)
@@ -821,13 +850,13 @@ _lib.impl("lora_linear_backward", _linear_backward_kernel, "CompositeExplicitAut
 
 
 @torch.library.register_fake("g4ops::lora_linear", lib=_lib)
-def _linear_op_fake(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
+def _linear_op_fake(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, split=False):
     _check_linear("lora_linear", x, weight, lora_a, lora_b, scaling, dropout, dropout_mask)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.register_fake("g4ops::lora_linear_forward", lib=_lib)
-def _linear_forward_fake(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
+def _linear_forward_fake(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, split=False):
     _check_linear("lora_linear_forward", x, weight, lora_a, lora_b, scaling, dropout, dropout_mask)
     mids = [a.new_empty(shape) for a, shape in zip(lora_a, _mid_shapes(x, lora_a))]
     return x.new_empty((*x.shape[:-1], weight.shape[0])), mids
@@ -835,20 +864,20 @@ def _linear_forward_fake(x, weight, lora_a, lora_b, scaling, dropout, dropout_ma
 
 @torch.library.register_fake("g4ops::lora_linear_backward", lib=_lib)
 def _linear_backward_fake(grad_out, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, lora_mid,
-                          output_mask, lora_mask):  # fmt: skip
+                          output_mask, lora_mask, split=False):  # fmt: skip
     _check_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, lora_mid,
                            output_mask, lora_mask)  # fmt: skip
     return _grad_fakes(x, (x, weight), output_mask, lora_a, lora_b, lora_mask)
 
 
-def _linear_save(ctx, forward, scaling, dropout, x, weight, tensors):
+def _linear_save(ctx, forward, scaling, dropout, split, x, weight, tensors):
     """The forward of both autograd formulas (`forward`: the op or its math): saves x, the weights, the masks and
     the [T, r] products A_a(z_a)."""
     n = len(scaling)
     lora_a, lora_b, masks = list(tensors[:n]), list(tensors[n : 2 * n]), list(tensors[2 * n :])
-    out, mids = forward(x, weight, lora_a, lora_b, scaling, dropout, masks)
+    out, mids = forward(x, weight, lora_a, lora_b, scaling, dropout, masks, split)
     ctx.save_for_backward(x, weight, *tensors, *mids)
-    ctx.lists, ctx.n, ctx.masks = (scaling, dropout), n, len(masks)
+    ctx.lists, ctx.n, ctx.masks = (scaling, dropout, split), n, len(masks)
     return out
 
 
@@ -857,21 +886,21 @@ def _linear_grads(ctx, backward, grad_out):
     x, weight, *rest = ctx.saved_tensors
     lora_a, lora_b = list(rest[:n]), list(rest[n : 2 * n])
     masks, mids = list(rest[2 * n : 2 * n + n_masks]), list(rest[2 * n + n_masks :])
-    scaling, dropout = ctx.lists
-    wanted = list(ctx.needs_input_grad[2 : 4 + 2 * n])  # x, weight and the adapters (never the masks)
+    scaling, dropout, split = ctx.lists
+    wanted = list(ctx.needs_input_grad[3 : 5 + 2 * n])  # x, weight and the adapters (never the masks)
     grads = backward(grad_out.contiguous(), x, weight, lora_a, lora_b, scaling, dropout, masks, mids, wanted[:2],
-                     wanted[2:])  # fmt: skip
+                     wanted[2:], split)  # fmt: skip
     flat = [*grads[:2], *grads[2], *grads[3]]
-    return None, None, *(g if want else None for g, want in zip(flat, wanted)), *([None] * n_masks)
+    return None, None, None, *(g if want else None for g, want in zip(flat, wanted)), *([None] * n_masks)
 
 
 class _LoraLinearFunction(torch.autograd.Function):
-    """`g4ops::lora_linear`'s autograd formula, eager: its steps are the opaque ops. Inputs after the two lists: x,
-    the weight, the n lora_a, the n lora_b, then the dropout masks."""
+    """`g4ops::lora_linear`'s autograd formula, eager: its steps are the opaque ops. Inputs after the two lists and the
+    split flag: x, the weight, the n lora_a, the n lora_b, then the dropout masks."""
 
     @staticmethod
-    def forward(ctx, scaling, dropout, x, weight, *tensors):
-        return _linear_save(ctx, torch.ops.g4ops.lora_linear_forward, scaling, dropout, x, weight, tensors)
+    def forward(ctx, scaling, dropout, split, x, weight, *tensors):
+        return _linear_save(ctx, torch.ops.g4ops.lora_linear_forward, scaling, dropout, split, x, weight, tensors)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -883,19 +912,20 @@ class _TracedLoraLinear(torch.autograd.Function):
     """The same formula for an outer torch.compile to trace, as `_TracedLoraGeglu`."""
 
     @staticmethod
-    def forward(ctx, scaling, dropout, x, weight, *tensors):
-        return _linear_save(ctx, lora_linear_forward_math, scaling, dropout, x, weight, tensors).clone()
+    def forward(ctx, scaling, dropout, split, x, weight, *tensors):
+        return _linear_save(ctx, lora_linear_forward_math, scaling, dropout, split, x, weight, tensors).clone()
 
     @staticmethod
     def backward(ctx, grad_out):
         return _linear_grads(ctx, lora_linear_backward_math, grad_out)
 
 
-def _linear_op_autograd(keyset, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask):
+def _linear_op_autograd(keyset, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, split=False):
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *lora_a, *lora_b)):
-        return _LoraLinearFunction.apply(list(scaling), list(dropout), x, weight, *lora_a, *lora_b, *dropout_mask)
+        return _LoraLinearFunction.apply(list(scaling), list(dropout), split, x, weight, *lora_a, *lora_b,
+                                         *dropout_mask)  # fmt: skip
     return torch.ops.g4ops.lora_linear.default.redispatch(keyset & _BELOW_AUTOGRAD, x, weight, lora_a, lora_b,
-                                                          scaling, dropout, dropout_mask)  # fmt: skip
+                                                          scaling, dropout, dropout_mask, split)  # fmt: skip
 
 
 _lib.impl("lora_linear", _linear_op_autograd, "Autograd", with_keyset=True)
@@ -916,9 +946,10 @@ def lora_linear(x, weight, adapters=()) -> torch.Tensor:
     `g4ops::lora_linear`; inside an outer torch.compile trace: its math, traced into the caller's graph unless
     that compile replays CUDA graphs (as `lora_geglu_mlp`)."""
     lora_a, lora_b, scaling, dropout, masks = _adapter_lists(adapters, "lora_linear")
+    split = torch.compiler.is_compiling() and _split_in_this_compile()
     if not (torch.compiler.is_compiling() and _trace_in_this_compile()):
-        return torch.ops.g4ops.lora_linear(x, weight, lora_a, lora_b, scaling, dropout, masks)
+        return torch.ops.g4ops.lora_linear(x, weight, lora_a, lora_b, scaling, dropout, masks, split)
     _check_linear_traced(x, weight, lora_a, lora_b, scaling, dropout, masks)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *lora_a, *lora_b)):
-        return _TracedLoraLinear.apply(scaling, dropout, x, weight, *lora_a, *lora_b, *masks)
-    return lora_linear_forward_math(x, weight, lora_a, lora_b, scaling, dropout, masks)[0]
+        return _TracedLoraLinear.apply(scaling, dropout, split, x, weight, *lora_a, *lora_b, *masks)
+    return lora_linear_forward_math(x, weight, lora_a, lora_b, scaling, dropout, masks, split)[0]
