@@ -253,8 +253,9 @@ def _dropped(t, drop):
 # kernels) for GPU time, so they pay where the op's per-call host cost is gone: under CUDA graphs. On the H200 (torch
 # 2.11, 2026-12-04, E4B shapes, r=16, 2048 tokens): an MLP forward and backward took 2.47 ms of GPU against 3.60 ms;
 # the 42-layer default-mode compiled step, host-bound, fell from 11610 to 10030 tok/s (session 22), while a graphed
-# 4-layer step rose from 69440 to 75191 tok/s (bench/results/2026-12-04-h200-session23.md). So the ops calls from a
-# compile that replays CUDA graphs ask for them (`split=True`, `_split_in_this_compile`), and nothing else does.
+# 4-layer step rose from 69440 to 75191 tok/s (bench/results/2026-12-04-h200-session23.md), and a graphed 42-layer
+# step from 13610 to 17060 on an H100 (2026-12-07, bench/results/2026-12-07-h100-session52.md). So the op calls from
+# a compile that replays CUDA graphs ask for them (`split=True`, `_split_in_this_compile`), and nothing else does.
 # G4OPS_LORA_SPLIT=1 also takes them in every call on CUDA (SPLIT_DEVICES; the tests add "cpu", where the same
 # arithmetic runs in fp32); =0 never, graphed compiles included.
 _SPLIT_SETTING = {"1": True, "0": False}.get(os.environ.get("G4OPS_LORA_SPLIT", ""))
