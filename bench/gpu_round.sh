@@ -18,7 +18,12 @@
 #     E2E_LAYOUTS="packed padded" E2E_ARGS="--parts train --seqs 2048 --g4ops-attention --optimizers none --lora 16" \
 #     bash bench/gpu_round.sh                         # two layouts in one call (an H200 only: 105 GiB of peaks)
 # Wheels in .whl/ (ignored: carry it) or .wheels/ are installed into /tmp/site first: the GPU image lacks
-# Liger-Kernel and the serve stack (FastAPI, Starlette, uvicorn, pydantic, openai).
+# Liger-Kernel and the serve stack (FastAPI, Starlette, uvicorn, pydantic, openai; without them tests/test_serve.py
+# is not collected). Fetched here for the image's Python 3.12 (7.3 MB once torch and what the image has are dropped):
+#   pip download -d .whl --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 fastapi uvicorn pydantic openai \
+#     liger-kernel==0.8.5 && rm .whl/{torch,triton,nvidia_,sympy,mpmath,networkx,jinja2,markupsafe,fsspec}* \
+#     .whl/{filelock,setuptools}*
 # The kernel build takes 70-90 s on each fresh machine. SAVE_BUILD=1 copies the built library to $OUT, gzipped (the
 # library was 20.4 MB on 2026-12-05, past the 16 MiB a returned file may have); put the file that comes back into
 # .prebuilt/ here (ignored) and carry ".prebuilt": the next call's build stage then loads it (g4ops/ops/_build.py: its
