@@ -769,8 +769,9 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
     groups = (gate_adapters, up_adapters, down_adapters)
     lora_a, lora_b, scaling, dropout, masks = _adapter_lists([e for group in groups for e in group], "lora_geglu_mlp")
     counts = [len(g) for g in groups]
-    split = torch.compiler.is_compiling() and _split_in_this_compile()
-    if not (torch.compiler.is_compiling() and _trace_in_this_compile()):
+    compiling = torch.compiler.is_compiling()
+    split = compiling and _split_in_this_compile()
+    if not (compiling and _trace_in_this_compile()):
         return torch.ops.g4ops.lora_geglu_mlp(x, w_gate, w_up, w_down, lora_a, lora_b, scaling, counts, dropout, masks,
                                               split)  # fmt: skip
     # inside an outer compile: the math into its graph, no per-call host cost (module docstring)
@@ -947,8 +948,9 @@ def lora_linear(x, weight, adapters=()) -> torch.Tensor:
     `g4ops::lora_linear`; inside an outer torch.compile trace: its math, traced into the caller's graph unless
     that compile replays CUDA graphs (as `lora_geglu_mlp`)."""
     lora_a, lora_b, scaling, dropout, masks = _adapter_lists(adapters, "lora_linear")
-    split = torch.compiler.is_compiling() and _split_in_this_compile()
-    if not (torch.compiler.is_compiling() and _trace_in_this_compile()):
+    compiling = torch.compiler.is_compiling()
+    split = compiling and _split_in_this_compile()
+    if not (compiling and _trace_in_this_compile()):
         return torch.ops.g4ops.lora_linear(x, weight, lora_a, lora_b, scaling, dropout, masks, split)
     _check_linear_traced(x, weight, lora_a, lora_b, scaling, dropout, masks)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *lora_a, *lora_b)):
