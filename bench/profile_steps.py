@@ -34,7 +34,7 @@ from torch._dynamo.utils import counters
 
 import g4ops
 # bench/ is on sys.path when this script runs
-from e2e import add_sliding_arg, check_sliding_arg, lora_model, train_batch, use_sliding
+from e2e import TimingTurns, add_sliding_arg, check_sliding_arg, lora_model, train_batch, use_sliding
 from g4ops.models import build_model
 
 
@@ -81,14 +81,18 @@ def _dynamo_counters() -> dict:
                 frames=dict(counters["frames"]), recompiles=dict(counters.get("recompiles", {})))
 
 
-def _profile(fn, steps: int, top: int, host_top: int = 0, op_top: int = 0):
+def _profile(fn, steps: int, top: int, host_top: int = 0, op_top: int = 0, turns: TimingTurns | None = None):
     """Wall time per step from unprofiled steps (the CPU-side profiler inflates host-bound steps 2-3x), the kernel
     table from CUDA-only profiling, with `host_top` the Python functions with the most own time (cProfile), and with
-    `op_top` the ATen ops with the most GPU time, by input shape (one step profiled with CPU activity)."""
+    `op_top` the ATen ops with the most GPU time, by input shape (one step profiled with CPU activity). With `turns`,
+    the timed steps wait for this process's turn (processes side by side compile together and time alone)."""
     counters.clear()  # torch._dynamo.reset() keeps them: this case's graph breaks and frames only
     fn()  # warm-up (compilation, autotuning, CUDA-graph recording)
     fn()
     torch.cuda.synchronize()
+    result = {}
+    if turns is not None:
+        turns.take(result)
     start = time.perf_counter()
     for _ in range(steps):
         fn()
@@ -105,8 +109,15 @@ def _profile(fn, steps: int, top: int, host_top: int = 0, op_top: int = 0):
             fn()
         torch.cuda.synchronize()
     busy_us, launches, rows = _kernel_table(prof, steps, top)
-    result = dict(wall_us=wall_us, wall_synced_us=sorted(synced)[steps // 2] * 1e6, gpu_busy_us=busy_us,
+    result.update(wall_us=wall_us, wall_synced_us=sorted(synced)[steps // 2] * 1e6, gpu_busy_us=busy_us,
                   launches=launches, top=rows, syncs=_syncs(fn), dynamo=_dynamo_counters())
+    phases = getattr(fn, "phases", None)
+    if phases is not None:  # host time of each phase of a synced step (medians): which one the GPU waits for
+        phases.clear()
+        for _ in range(steps):
+            fn()
+            torch.cuda.synchronize()
+        result["phases_us"] = {name: sorted(times)[len(times) // 2] * 1e6 for name, times in phases.items()}
     if op_top:
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
@@ -165,16 +176,27 @@ def graph_decode_case(model, batch: int, new_tokens: int, top: int) -> dict:
 
 
 def train_case(model, batch: dict, compiled: bool, compile_mode: str = "default"):
+    """One training step; `step.phases` collects each phase's host time (forward call, backward call, zero_grad; the
+    GPU runs on meanwhile). In a synced step the GPU idles until the forward's first kernel, so a forward call whose
+    host time is far above its replay's launch cost names the work that synced steps pay and back-to-back hide."""
     fwd = torch.compile(model, mode=compile_mode) if compiled else model
     graphed = compiled and compile_mode == "reduce-overhead"
+    phases: dict[str, list] = {}
 
     def step():
+        t0 = time.perf_counter()
         if graphed:  # a new iteration for Inductor's CUDA graph trees (bench/e2e.py does the same)
             torch.compiler.cudagraph_mark_step_begin()
         loss = fwd(**batch).loss
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         model.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        for name, seconds in (("forward call", t1 - t0), ("backward call", t2 - t1), ("zero_grad", t3 - t2)):
+            phases.setdefault(name, []).append(seconds)
 
+    step.phases = phases
     return step
 
 
@@ -203,9 +225,13 @@ def main():
     parser.add_argument("--op-top", type=int, default=0, metavar="N",
                         help="train: also the N ATen ops with the most GPU time in one step, by input shape "
                              "(no ops under --compile-mode reduce-overhead: graph replays run no ATen ops)")
+    parser.add_argument("--timing-turns", default=None, metavar="DIR",
+                        help="processes side by side compile together and time one at a time (bench/e2e.py's)")
+    parser.add_argument("--timing-parties", type=int, default=1, help="with --timing-turns: how many processes")
     parser.add_argument("--json")
     args = parser.parse_args()
     check_sliding_arg(parser, args.sliding)
+    turns = TimingTurns(args.timing_turns, args.timing_parties, 1800) if args.timing_turns else None
     parts = set(args.parts.split(","))
     results = {}
     for variant in args.variants.split(","):
@@ -239,7 +265,7 @@ def main():
                 for mode in args.train_modes.split(","):
                     torch._dynamo.reset()
                     r = _profile(train_case(trained, batch, mode == "compiled", args.compile_mode), steps=3,
-                                 top=args.top, host_top=args.host_top, op_top=args.op_top)
+                                 top=args.top, host_top=args.host_top, op_top=args.op_top, turns=turns)
                     results[f"{variant}{lora} train {tokens} {args.layout} {mode}"] = r
             trained.eval()
             del trained
@@ -252,6 +278,9 @@ def main():
         print(f"\n== {name}: wall {r['wall_us']:.0f} us{synced}, GPU busy {r['gpu_busy_us']:.0f} us, "
               f"{r['launches']:.0f} kernel launches, {len(r['syncs'])} host syncs in a step, "
               f"{sum(r['dynamo']['graph_breaks'].values())} graph breaks, frames {r['dynamo']['frames']}")
+        if "phases_us" in r:
+            print("   host time of a synced step's phases: "
+                  + ", ".join(f"{name} {us:.0f} us" for name, us in r["phases_us"].items()))
         for message in sorted(set(r["syncs"]))[:5]:
             print(f"   sync: {message}")
         for key, count, us in r["top"]:

@@ -553,6 +553,39 @@ def test_profile_steps_census_counts_this_cases_graph_breaks_only(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_profile_steps_charges_host_time_to_the_phase_that_spent_it(monkeypatch):
+    """`profile_steps.py`'s phases: a synced step's host time per phase (forward call, backward call, zero_grad),
+    which tells host work before the first kernel (the forward call) from work the GPU hides. A forward that sleeps
+    and a backward hook that sleeps longer must show in their own phases, once per step."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import time
+
+    import profile_steps
+
+    forward_s, backward_s = 0.03, 0.06
+
+    class Sleepy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(5, 3))
+
+        def forward(self, x):
+            time.sleep(forward_s)
+            loss = (x @ self.weight).square().sum()
+            loss.register_hook(lambda grad: time.sleep(backward_s))
+            return type("Output", (), {"loss": loss})
+
+    model = Sleepy()
+    step = profile_steps.train_case(model, {"x": torch.randn(4, 5)}, compiled=False)
+    for _ in range(3):
+        step()
+    assert set(step.phases) == {"forward call", "backward call", "zero_grad"}, step.phases
+    assert all(len(times) == 3 for times in step.phases.values()), step.phases
+    assert min(step.phases["forward call"]) >= forward_s, step.phases
+    assert min(step.phases["backward call"]) >= backward_s, step.phases
+    assert model.weight.grad is None  # zero_grad ran, and set the gradient to None
+
+
 def test_lora_host_times_peft_and_the_g4ops_ops_it_routes_to(tmp_path):
     """bench/lora_host.py (the eager LoRA step's per-call host cost): a row per case and implementation, each timed,
     and the g4ops rows took g4ops' path (a projection routed to lora_linear, an MLP without a fallback reason)."""
