@@ -15,6 +15,14 @@ raises on every check).
 
 Each variant runs in its own process (`_in_own_process` says why). Times are the minimum over `--repeats` rounds of
 `--calls` checks (the least disturbed round: on a shared 2-core machine medians drift).
+
+`--backend memo` times the whole of that host work, not the guards alone: its compiled graphs run once and then
+return their first outputs, so a forward call costs only what surrounds the graph (the guards, the compiled frame
+gathering the graph's inputs, AOTAutograd's runtime wrappers). `before_graph_ms` is the part before the graph is
+entered: under `reduce-overhead` the GPU idles through it, plus the CUDA-graph tree's own checks, in a synced step.
+
+    python bench/guard_time.py --layers 42 --lora 16 --backend memo --json host.json   # LoRA against ...
+    python bench/guard_time.py --layers 42 --lora 0 --backend memo                      # ... the full finetune
 """
 
 from __future__ import annotations
@@ -52,6 +60,58 @@ def _model(args, variant: str):
     return model
 
 
+def _memo_backend(seen: dict):
+    """The `--backend memo` compiler: AOTAutograd's forward and backward graphs that compute once and then return
+    their first outputs, stamping `seen["entered"]` when a forward graph is entered and counting graph inputs."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def compiler(gm, example_inputs, forward: bool):
+        seen["forward_graph_inputs" if forward else "backward_graph_inputs"] = len(example_inputs)
+        first = []
+
+        def run(args):
+            if forward:
+                seen["entered"] = time.perf_counter()
+            if not first:
+                first.append(gm(*args))
+            args.clear()  # AOTAutograd's boxed calling convention: the callee frees its inputs
+            return first[0]
+
+        run._boxed_call = True
+        return run
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=lambda g, x: compiler(g, x, True),
+                                     bw_compiler=lambda g, x: compiler(g, x, False))  # fmt: skip
+
+    return backend
+
+
+def _forward_call_times(args, compiled, batch, seen) -> dict:
+    """Per forward call of the memo-compiled model: host time before its graph is entered and in all (ms), the
+    minimum over rounds (as for the guards)."""
+    before, whole = [], []
+    for _ in range(args.calls):  # warm-up
+        compiled(**batch)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(args.repeats):
+            round_before = round_whole = 0.0
+            for _ in range(args.calls):
+                start = time.perf_counter()
+                compiled(**batch)
+                end = time.perf_counter()
+                round_before += seen["entered"] - start
+                round_whole += end - start
+            before.append(round_before / args.calls * 1e3)
+            whole.append(round_whole / args.calls * 1e3)
+    finally:
+        gc.enable()
+    return dict(before_graph_ms=min(before), forward_call_ms=min(whole),
+                forward_graph_inputs=seen["forward_graph_inputs"], backward_graph_inputs=seen["backward_graph_inputs"])
+
+
 def _missing_text(missing: dict | None) -> str:
     if missing is None:
         return "not read (this torch's guard entries do not name the attribute)"
@@ -79,21 +139,28 @@ def measure(args, variant: str) -> dict:
         return [True] * len(entries)
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=args.backend, options={"guard_filter_fn": record})
+    seen = {}
+    backend = _memo_backend(seen) if args.backend == "memo" else args.backend
+    compiled = torch.compile(model, backend=backend, options={"guard_filter_fn": record})
     start = time.perf_counter()
     compiled(**batch).loss.backward()
     compile_s = time.perf_counter() - start
 
-    forward = type(model).forward  # the frame torch.compile(model) caches: the model's own forward
-    bound = inspect.signature(forward).bind(model, **batch)
+    # the frame torch.compile(model) caches: what `model.forward` calls (g4ops may patch it on the instance), and
+    # its own code, which for a decorated forward is the decorator's wrapper (not the signature it wraps)
+    forward = model.forward.__func__
+    bound = inspect.signature(forward, follow_wrapped=False).bind(model, **batch)
     bound.apply_defaults()
     f_locals = dict(bound.arguments)
     entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(forward.__code__)
     if len(entries) != 1:
         raise RuntimeError(f"{variant}: expected one compiled graph of {forward.__qualname__}, found {len(entries)}")
     guards = entries[0].guard_manager
+    # a wrapper's frame also sees its closure (the function it wraps), and Dynamo guards on it
+    f_locals.update(zip(forward.__code__.co_freevars, (cell.cell_contents for cell in forward.__closure__ or ())))
     if not guards.check(f_locals):
-        raise RuntimeError(f"{variant}: the guards reject the step's own arguments (rebuilt wrongly?)")
+        reasons = guards.check_verbose(f_locals).verbose_code_parts
+        raise RuntimeError(f"{variant}: the guards reject the step's own arguments (rebuilt wrongly?): {reasons}")
     for _ in range(args.calls):  # warm-up
         guards.check(f_locals)
     rounds = []
@@ -107,10 +174,13 @@ def measure(args, variant: str) -> dict:
             rounds.append((time.perf_counter() - start) / args.calls * 1e3)
     finally:
         gc.enable()
-    return dict(variant=variant, guard_check_ms=min(rounds), guard_check_median_ms=sorted(rounds)[len(rounds) // 2],
-                guards=sum(kinds.values()), guard_types=dict(kinds.most_common()),
-                missing_attribute_guards_on_modules=None if unread else dict(missing),  # None: not read here
-                first_step_s=compile_s)  # fmt: skip
+    row = dict(variant=variant, guard_check_ms=min(rounds), guard_check_median_ms=sorted(rounds)[len(rounds) // 2],
+               guards=sum(kinds.values()), guard_types=dict(kinds.most_common()),
+               missing_attribute_guards_on_modules=None if unread else dict(missing),  # None: not read here
+               first_step_s=compile_s, parameters=sum(1 for _ in model.parameters()))  # fmt: skip
+    if args.backend == "memo":
+        row.update(_forward_call_times(args, compiled, batch, seen))
+    return row
 
 
 def _in_own_process(args, variant: str) -> dict:
@@ -135,7 +205,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (eager: the same Dynamo guards, "
-                    "no kernels compiled)")  # fmt: skip
+                    "no kernels compiled; memo: also the forward call's whole host time, graphs replaying their first "
+                    "outputs)")  # fmt: skip
     ap.add_argument("--variants", default="stock,g4ops")
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=7)
@@ -153,6 +224,10 @@ def main() -> None:
         print(f"{variant}: guard check {row['guard_check_ms']:.3f} ms (median {row['guard_check_median_ms']:.3f}), "
               f"{row['guards']} guards, missing-attribute guards on modules: "
               f"{_missing_text(row['missing_attribute_guards_on_modules'])}", flush=True)  # fmt: skip
+        if "forward_call_ms" in row:
+            print(f"{variant}: forward call {row['forward_call_ms']:.3f} ms of host time, "
+                  f"{row['before_graph_ms']:.3f} ms of it before the graph; graph inputs: "
+                  f"{row['forward_graph_inputs']} forward, {row['backward_graph_inputs']} backward", flush=True)
     if args.json:
         setup = {k: getattr(args, k) for k in SETUP}
         meta = dict(setup, torch=torch.__version__, date=time.strftime("%Y-%m-%d"))

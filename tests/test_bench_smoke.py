@@ -511,6 +511,20 @@ def test_guard_time_smoke(tmp_path):
     assert set(missing["g4ops"]) <= set(missing["stock"]), rows
 
 
+def test_guard_time_memo_times_a_full_finetunes_forward_call(tmp_path):
+    """bench/guard_time.py --backend memo on the full finetune (no LoRA: the compiled frame is transformers'
+    decorator wrapper, whose closure Dynamo guards on): the forward call's host time, the part before the graph
+    within it, and the graph inputs counted."""
+    out = tmp_path / "host.json"
+    _run(["bench/guard_time.py", "--layers", "2", "--lora", "0", "--backend", "memo", "--calls", "3",
+          "--repeats", "2", "--json", str(out)], tmp_path)  # fmt: skip
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"stock", "g4ops"}
+    for row in rows.values():
+        assert 0 < row["before_graph_ms"] < row["forward_call_ms"], row
+        assert row["forward_graph_inputs"] > row["parameters"], row  # every weight, and the token ids
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_profile_steps_op_table_names_the_launching_op_and_its_shapes(monkeypatch):
