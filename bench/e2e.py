@@ -583,6 +583,22 @@ class TimingTurns:
         row["timing_turn"]["waited_s"] = time.time() - start
 
 
+def add_timing_turns_args(parser) -> None:
+    """`--timing-turns` and its two companions (this script's and profile_steps.py's)."""
+    parser.add_argument("--timing-turns", default=None, metavar="DIR",
+                        help="train: processes started side by side with the same DIR (a new one for each run: files "
+                             "left by an earlier run count as parties) compile together and time one at a time "
+                             "(TimingTurns; gpu_round.sh E2E_PARALLEL=1)")
+    parser.add_argument("--timing-parties", type=int, default=1,
+                        help="with --timing-turns: how many processes share it")
+    parser.add_argument("--timing-wait-s", type=float, default=900.0,
+                        help="with --timing-turns: the longest wait for the other parties to warm up")
+
+
+def timing_turns(args) -> TimingTurns | None:
+    return TimingTurns(args.timing_turns, args.timing_parties, args.timing_wait_s) if args.timing_turns else None
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -1013,13 +1029,7 @@ def parse_args(argv=None):
     ap.add_argument("--loss-tol", type=float, default=2e-2, help="relative first-loss tolerance vs stock (bf16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write all results here")
-    ap.add_argument("--timing-turns", default=None, metavar="DIR",
-                    help="train: processes started side by side with the same DIR (a new one for each run: files "
-                         "left by an earlier run count as parties) compile together and time one at a time "
-                         "(TimingTurns; gpu_round.sh E2E_PARALLEL=1)")
-    ap.add_argument("--timing-parties", type=int, default=1, help="with --timing-turns: how many processes share it")
-    ap.add_argument("--timing-wait-s", type=float, default=900.0,
-                    help="with --timing-turns: the longest wait for the other parties to warm up")
+    add_timing_turns_args(ap)
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="run nothing: join the train rows of these files (one variant each, one call) into one "
                          "table against --merge-reference (module docstring)")
@@ -1042,8 +1052,7 @@ def parse_args(argv=None):
         ap.error("--prompt needs --model (the built-in shapes have no tokenizer)")
     if args.model and args.layers is not None:
         ap.error("--layers applies to --shape models; a --model checkpoint runs all of its layers")
-    if args.timing_turns is not None:
-        args.turns = TimingTurns(args.timing_turns, args.timing_parties, args.timing_wait_s)
+    args.turns = timing_turns(args)
     if args.decode_processes is None:
         args.decode_processes = "each" if args.device.startswith("cuda") else "shared"
     args.parts = [p for p in args.parts.split(",") if p]

@@ -34,7 +34,8 @@ from torch._dynamo.utils import counters
 
 import g4ops
 # bench/ is on sys.path when this script runs
-from e2e import TimingTurns, add_sliding_arg, check_sliding_arg, lora_model, train_batch, use_sliding
+from e2e import (TimingTurns, add_sliding_arg, add_timing_turns_args, check_sliding_arg, lora_model, timing_turns,
+                 train_batch, use_sliding)
 from g4ops.models import build_model
 
 
@@ -93,13 +94,17 @@ def _profile(fn, steps: int, top: int, host_top: int = 0, op_top: int = 0, turns
     result = {}
     if turns is not None:
         turns.take(result)
+    phases = getattr(fn, "phases", None)  # host time of each phase of the synced steps: which one the GPU waits for
+    if phases is not None:
+        phases.clear()
     synced = []  # a sync around each step, as bench/e2e.py times it: host work before the first kernel shows too
     for _ in range(steps):
-        torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
         torch.cuda.synchronize()
         synced.append(time.perf_counter() - start)
+    if phases is not None:
+        result["phases_us"] = {name: sorted(times)[len(times) // 2] * 1e6 for name, times in phases.items()}
     # back to back after the synced steps, as bench/e2e.py orders them: timed first, right after the warm-up, three
     # graphed 42-layer LoRA steps read 930 ms each on an H100, and the synced ones after them 119 ms (2026-12-07)
     start = time.perf_counter()
@@ -115,13 +120,6 @@ def _profile(fn, steps: int, top: int, host_top: int = 0, op_top: int = 0, turns
     result.update(wall_us=wall_us, wall_synced_us=sorted(synced)[steps // 2] * 1e6,
                   synced_steps_us=[round(t * 1e6) for t in synced], gpu_busy_us=busy_us,
                   launches=launches, top=rows, syncs=_syncs(fn), dynamo=_dynamo_counters())
-    phases = getattr(fn, "phases", None)
-    if phases is not None:  # host time of each phase of a synced step (medians): which one the GPU waits for
-        phases.clear()
-        for _ in range(steps):
-            fn()
-            torch.cuda.synchronize()
-        result["phases_us"] = {name: sorted(times)[len(times) // 2] * 1e6 for name, times in phases.items()}
     if op_top:
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
@@ -229,13 +227,11 @@ def main():
     parser.add_argument("--op-top", type=int, default=0, metavar="N",
                         help="train: also the N ATen ops with the most GPU time in one step, by input shape "
                              "(no ops under --compile-mode reduce-overhead: graph replays run no ATen ops)")
-    parser.add_argument("--timing-turns", default=None, metavar="DIR",
-                        help="processes side by side compile together and time one at a time (bench/e2e.py's)")
-    parser.add_argument("--timing-parties", type=int, default=1, help="with --timing-turns: how many processes")
+    add_timing_turns_args(parser)
     parser.add_argument("--json")
     args = parser.parse_args()
     check_sliding_arg(parser, args.sliding)
-    turns = TimingTurns(args.timing_turns, args.timing_parties, 1800) if args.timing_turns else None
+    turns = timing_turns(args)
     parts = set(args.parts.split(","))
     results = {}
     for variant in args.variants.split(","):
