@@ -47,6 +47,18 @@ PRESETS = {
                     "bwd_num_warps": 8, "bwd_num_stages": 2},
     "bwd32x64-w4": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
                     "bwd_num_warps": 4, "bwd_num_stages": 2},
+    # around bwd64x64-w8 (what g4ops runs): wider key tiles for dK/dV (N1) and query tiles for dQ (M2), deeper
+    # pipelines, TMA loads (flex needs N1 a multiple of M1 and M2 a multiple of N2)
+    "bwd64x64-w8-s3": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                       "bwd_num_warps": 8, "bwd_num_stages": 3},
+    "bwd64x64-w8-tma": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                        "bwd_num_warps": 8, "bwd_num_stages": 2, "USE_TMA": True},
+    "bwd64x128-w8": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+                     "bwd_num_warps": 8, "bwd_num_stages": 1},
+    "bwd32x128-w8": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
+                     "bwd_num_warps": 8, "bwd_num_stages": 2},
+    "bwd32x64-w8": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+                    "bwd_num_warps": 8, "bwd_num_stages": 3},
     "small-512": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 32, "fwd_num_warps": 8, "fwd_num_stages": 1,
                   "bwd_BLOCK_M1": 16, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32, "bwd_BLOCK_N2": 16,
                   "bwd_num_warps": 4, "bwd_num_stages": 1},

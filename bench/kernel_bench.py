@@ -413,7 +413,7 @@ def bench_gelu_mul(t: Table, lk, rows: int):
     impls = {"stock eager": stock, "stock compile": torch.compile(stock, dynamic=False)}
     if lk is not None:
         impls["liger"] = lk.gelu_mul
-    impls["g4ops"] = torch.ops.g4ops_kernels.gelu_tanh_mul
+    impls["g4ops"] = torch.ops.g4ops.gelu_tanh_mul
     for name, fn in impls.items():
         with torch.no_grad():
             err = rel_err(fn(g, u), ref)

@@ -1,4 +1,5 @@
-// geglu.cu: CUDA kernels for g4ops::geglu_mlp, g4ops::geglu_mlp_forward and g4ops::geglu_mlp_backward.
+// geglu.cu: CUDA kernels for g4ops::geglu_mlp, g4ops::geglu_mlp_forward and g4ops::geglu_mlp_backward, and for the
+// GeGLU product alone, g4ops::gelu_tanh_mul and g4ops::gelu_tanh_mul_backward (Gemma-4's per-layer-input gate).
 //
 // Semantics (the contract is g4ops/ops/reference.py; design.md section 4). Weights are nn.Linear [out, in], no bias.
 //   forward   gate = x @ w_gate.T, up = x @ w_up.T (GEMM outputs, rounded to x.dtype like F.linear's)
@@ -21,6 +22,7 @@
 
 #include "g4ops_common.cuh"
 
+#include <ATen/TensorUtils.h>
 #include <torch/library.h>
 
 #include <array>
@@ -61,49 +63,69 @@ __device__ __forceinline__ void gelu_tanh_backward(A x, A dy, A& grad, A& gelu) 
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Elementwise forward: h = cast(gelu_tanh(g) * u). VEC elements per thread step; the last n % VEC elements (VEC > 1)
-// are done one by one by the first threads.
-template <typename T, int VEC>
-__global__ void geglu_fwd_kernel(const T* __restrict__ g,  // [n] (gate, contiguous)
-                                 const T* __restrict__ u,  // [n] (up, contiguous)
+// Elementwise kernels over n elements. Outputs and dh are contiguous; g and u are rows of `cols` elements whose
+// starts lie g_ld and u_ld elements apart (ld == cols: contiguous). STRIDED == false reads them as contiguous
+// (the MLP's own GEMM outputs) without the per-vector division; true serves a slice along a middle dim, such as
+// Gemma-4's per-layer input per_layer_inputs[:, :, i, :], without a copy. A VEC-element vector never crosses a row:
+// the host takes VEC > 1 only when cols and both ld are multiples of VEC.
+template <bool STRIDED>
+__device__ __forceinline__ int64_t row_offset(int64_t e, int64_t cols, int64_t ld) {
+  if constexpr (!STRIDED) {
+    return e;
+  } else {
+    const int64_t row = e / cols;
+    return row * ld + (e - row * cols);
+  }
+}
+
+// Forward: h = cast(gelu_tanh(g) * u). VEC elements per thread step; the last n % VEC elements (VEC > 1) are done
+// one by one by the first threads.
+template <typename T, int VEC, bool STRIDED>
+__global__ void geglu_fwd_kernel(const T* __restrict__ g,  // gate
+                                 const T* __restrict__ u,  // up
                                  T* __restrict__ h,        // [n]
-                                 int64_t n) {
+                                 int64_t n, int64_t cols, int64_t g_ld, int64_t u_ld) {
   using A = typename AccType<T>::type;
   const int64_t nv = n / VEC;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t i = tid; i < nv; i += stride) {
-    const Vec<T, VEC> gv = load_vec<T, VEC>(g + i * VEC);
-    const Vec<T, VEC> uv = load_vec<T, VEC>(u + i * VEC);
+    const int64_t e = i * VEC;
+    const Vec<T, VEC> gv = load_vec<T, VEC>(g + row_offset<STRIDED>(e, cols, g_ld));
+    const Vec<T, VEC> uv = load_vec<T, VEC>(u + row_offset<STRIDED>(e, cols, u_ld));
     Vec<T, VEC> hv;
 #pragma unroll
     for (int k = 0; k < VEC; ++k)
       hv.v[k] = from_acc<T, A>(gelu_tanh(to_acc<A>(gv.v[k])) * to_acc<A>(uv.v[k]));
-    store_vec<T, VEC>(h + i * VEC, hv);
+    store_vec<T, VEC>(h + e, hv);
   }
   const int64_t t = nv * VEC + tid;
-  if (t < n) h[t] = from_acc<T, A>(gelu_tanh(to_acc<A>(g[t])) * to_acc<A>(u[t]));
+  if (t < n) {
+    const A gf = to_acc<A>(g[row_offset<STRIDED>(t, cols, g_ld)]);
+    h[t] = from_acc<T, A>(gelu_tanh(gf) * to_acc<A>(u[row_offset<STRIDED>(t, cols, u_ld)]));
+  }
 }
 
-// Elementwise backward: from dh, g, u -> dg (nullable), du (nullable), h (nullable).
-template <typename T, int VEC>
+// Backward: from dh, g, u -> dg (nullable), du (nullable), h (nullable).
+template <typename T, int VEC, bool STRIDED>
 __global__ void geglu_bwd_kernel(const T* __restrict__ dh,  // [n] grad of h
-                                 const T* __restrict__ g,   // [n] gate
-                                 const T* __restrict__ u,   // [n] up
+                                 const T* __restrict__ g,   // gate
+                                 const T* __restrict__ u,   // up
                                  T* __restrict__ dg,        // [n] or nullptr
                                  T* __restrict__ du,        // [n] or nullptr
                                  T* __restrict__ h,         // [n] or nullptr
-                                 int64_t n) {
+                                 int64_t n, int64_t cols, int64_t g_ld, int64_t u_ld) {
   using A = typename AccType<T>::type;
   const int64_t nv = n / VEC;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool need_dh = dg != nullptr || du != nullptr;
   for (int64_t i = tid; i < nv; i += stride) {
+    const int64_t e = i * VEC;
     Vec<T, VEC> dv;
-    if (need_dh) dv = load_vec<T, VEC>(dh + i * VEC);
-    const Vec<T, VEC> gv = load_vec<T, VEC>(g + i * VEC);
-    const Vec<T, VEC> uv = load_vec<T, VEC>(u + i * VEC);
+    if (need_dh) dv = load_vec<T, VEC>(dh + e);
+    const Vec<T, VEC> gv = load_vec<T, VEC>(g + row_offset<STRIDED>(e, cols, g_ld));
+    const Vec<T, VEC> uv = load_vec<T, VEC>(u + row_offset<STRIDED>(e, cols, u_ld));
     Vec<T, VEC> ov_g, ov_u, ov_h;
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
@@ -115,13 +137,14 @@ __global__ void geglu_bwd_kernel(const T* __restrict__ dh,  // [n] grad of h
       ov_u.v[k] = from_acc<T, A>(df * gel);
       ov_h.v[k] = from_acc<T, A>(gel * uf);
     }
-    if (dg != nullptr) store_vec<T, VEC>(dg + i * VEC, ov_g);
-    if (du != nullptr) store_vec<T, VEC>(du + i * VEC, ov_u);
-    if (h != nullptr) store_vec<T, VEC>(h + i * VEC, ov_h);
+    if (dg != nullptr) store_vec<T, VEC>(dg + e, ov_g);
+    if (du != nullptr) store_vec<T, VEC>(du + e, ov_u);
+    if (h != nullptr) store_vec<T, VEC>(h + e, ov_h);
   }
   const int64_t t = nv * VEC + tid;
   if (t < n) {
-    const A gf = to_acc<A>(g[t]), uf = to_acc<A>(u[t]);
+    const A gf = to_acc<A>(g[row_offset<STRIDED>(t, cols, g_ld)]);
+    const A uf = to_acc<A>(u[row_offset<STRIDED>(t, cols, u_ld)]);
     const A df = need_dh ? to_acc<A>(dh[t]) : A(0);
     A grad, gel;
     gelu_tanh_backward(gf, df * uf, grad, gel);
@@ -298,25 +321,82 @@ bool vec_ok(std::initializer_list<const void*> ptrs, int64_t n) {
   return V > 1;
 }
 
-// h = gelu_tanh(gate) * up for contiguous gate/up of the same shape.
-at::Tensor geglu_elementwise(const at::Tensor& gate, const at::Tensor& up) {
-  at::Tensor h = at::empty(gate.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t n = gate.numel();
+// [rows, cols] view of t (cols: its last dim) with unit column stride: t itself when its leading dims collapse into
+// one row stride (contiguous, or a slice along a middle dim), else a contiguous copy.
+at::Tensor row_matrix(const at::Tensor& t) {
+  const int64_t cols = t.dim() == 0 ? 1 : t.size(-1);
+  const int64_t rows = cols == 0 ? 0 : t.numel() / cols;
+  const std::array<int64_t, 2> shape{rows, cols};
+  const auto strides = at::detail::computeStride(t.sizes(), t.strides(), at::IntArrayRef(shape));
+  if (strides.has_value() && (cols <= 1 || (*strides)[1] == 1))
+    return t.as_strided({rows, cols}, {(*strides)[0], 1});
+  return t.contiguous().view({rows, cols});
+}
+
+// The distance between a row matrix's row starts (its cols when it has one row: then any stride is allowed).
+int64_t row_ld(const at::Tensor& m) { return m.size(0) > 1 ? m.stride(0) : m.size(1); }
+
+// Launches a GeGLU kernel over n elements of the row matrices g and u (rows of `cols`): calls
+// launch(VEC, STRIDED, grid) with std::integral_constant arguments, 16-byte vectors where every pointer is aligned
+// and no vector crosses a row, the per-row offsets only where g or u is strided.
+template <typename T, typename Launch>
+void launch_geglu(int64_t n, int64_t cols, int64_t g_ld, int64_t u_ld, std::initializer_list<const void*> ptrs,
+                  Launch launch) {
+  constexpr int V = 16 / sizeof(T);
+  const bool strided = g_ld != cols || u_ld != cols;
+  const bool vec = vec_ok<T>(ptrs, n) && (!strided || (cols % V == 0 && g_ld % V == 0 && u_ld % V == 0));
+  using Vec = std::integral_constant<int, V>;
+  using One = std::integral_constant<int, 1>;
+  if (vec && strided)
+    launch(Vec{}, std::true_type{}, elementwise_grid(n / V + 1));
+  else if (vec)
+    launch(Vec{}, std::false_type{}, elementwise_grid(n / V + 1));
+  else if (strided)
+    launch(One{}, std::true_type{}, elementwise_grid(n));
+  else
+    launch(One{}, std::false_type{}, elementwise_grid(n));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// h = gelu_tanh(g) * u for row matrices g, u of one shape (`row_matrix`); h is a contiguous [rows, cols].
+at::Tensor geglu_rows(const at::Tensor& g, const at::Tensor& u) {
+  at::Tensor h = at::empty(g.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t n = g.numel(), cols = g.size(1), g_ld = row_ld(g), u_ld = row_ld(u);
   if (n == 0) return h;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  G4OPS_DISPATCH_FLOATING(gate.scalar_type(), "g4ops.geglu_mlp", [&] {
-    constexpr int V = 16 / sizeof(scalar_t);
-    const scalar_t* g = reinterpret_cast<const scalar_t*>(gate.data_ptr());
-    const scalar_t* u = reinterpret_cast<const scalar_t*>(up.data_ptr());
-    scalar_t* hp = reinterpret_cast<scalar_t*>(h.data_ptr());
-    if (vec_ok<scalar_t>({g, u, hp}, n)) {
-      geglu_fwd_kernel<scalar_t, V><<<elementwise_grid(n / V + 1), 256, 0, stream>>>(g, u, hp, n);
-    } else {
-      geglu_fwd_kernel<scalar_t, 1><<<elementwise_grid(n), 256, 0, stream>>>(g, u, hp, n);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  G4OPS_DISPATCH_FLOATING(g.scalar_type(), "g4ops.gelu_tanh_mul", [&] {
+    using T = scalar_t;
+    const T* gp = reinterpret_cast<const T*>(g.data_ptr());
+    const T* up = reinterpret_cast<const T*>(u.data_ptr());
+    T* hp = reinterpret_cast<T*>(h.data_ptr());
+    launch_geglu<T>(n, cols, g_ld, u_ld, {gp, up, hp}, [&](auto vec, auto strided, int grid) {
+      geglu_fwd_kernel<T, decltype(vec)::value, decltype(strided)::value>
+          <<<grid, 256, 0, stream>>>(gp, up, hp, n, cols, g_ld, u_ld);
+    });
   });
   return h;
+}
+
+// From dh (contiguous [rows, cols]; may be undefined when only h is wanted) and row matrices g, u: whichever of dg,
+// du, h is defined (contiguous [rows, cols], allocated by the caller) is written.
+void geglu_backward_rows(const at::Tensor& dh, const at::Tensor& g, const at::Tensor& u, at::Tensor& dg,
+                         at::Tensor& du, at::Tensor& h) {
+  const int64_t n = g.numel(), cols = g.size(1), g_ld = row_ld(g), u_ld = row_ld(u);
+  if (n == 0) return;
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  G4OPS_DISPATCH_FLOATING(g.scalar_type(), "g4ops.gelu_tanh_mul_backward", [&] {
+    using T = scalar_t;
+    const T* dhp = dh.defined() ? reinterpret_cast<const T*>(dh.data_ptr()) : nullptr;
+    const T* gp = reinterpret_cast<const T*>(g.data_ptr());
+    const T* upp = reinterpret_cast<const T*>(u.data_ptr());
+    T* dgp = dg.defined() ? reinterpret_cast<T*>(dg.data_ptr()) : nullptr;
+    T* dup = du.defined() ? reinterpret_cast<T*>(du.data_ptr()) : nullptr;
+    T* hp = h.defined() ? reinterpret_cast<T*>(h.data_ptr()) : nullptr;
+    launch_geglu<T>(n, cols, g_ld, u_ld, {dhp, gp, upp, dgp, dup, hp}, [&](auto vec, auto strided, int grid) {
+      geglu_bwd_kernel<T, decltype(vec)::value, decltype(strided)::value>
+          <<<grid, 256, 0, stream>>>(dhp, gp, upp, dgp, dup, hp, n, cols, g_ld, u_ld);
+    });
+  });
 }
 
 // GEMV decode path applies: 1..8 rows, 16-bit dtype, contiguous aligned operands, K and I multiples of 8.
@@ -407,7 +487,7 @@ at::Tensor geglu_forward_impl(const at::Tensor& x, const at::Tensor& w_gate, con
   at::Tensor u = at::mm(x2d, w_up.t());
   if (!g.is_contiguous()) g = g.contiguous();
   if (!u.is_contiguous()) u = u.contiguous();
-  const at::Tensor h = geglu_elementwise(g, u);
+  const at::Tensor h = geglu_rows(g, u);
   at::Tensor out = at::mm(h, w_down.t());
   if (!out.is_contiguous()) out = out.contiguous();
   if (gate_out != nullptr) {
@@ -474,26 +554,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> geglu_mlp_backward_cu
     if (need_dg) dg = at::empty({m, I}, opts);
     if (need_du) du = at::empty({m, I}, opts);
     if (need_h) h = at::empty({m, I}, opts);
-    const int64_t n = m * I;
-    if (n > 0) {
-      cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-      G4OPS_DISPATCH_FLOATING(x.scalar_type(), "g4ops.geglu_mlp_backward", [&] {
-        using T = scalar_t;
-        constexpr int V = 16 / sizeof(T);
-        const T* dhp = dh.defined() ? reinterpret_cast<const T*>(dh.data_ptr()) : nullptr;
-        const T* gp = reinterpret_cast<const T*>(g2.data_ptr());
-        const T* upp = reinterpret_cast<const T*>(u2.data_ptr());
-        T* dgp = dg.defined() ? reinterpret_cast<T*>(dg.data_ptr()) : nullptr;
-        T* dup = du.defined() ? reinterpret_cast<T*>(du.data_ptr()) : nullptr;
-        T* hp = h.defined() ? reinterpret_cast<T*>(h.data_ptr()) : nullptr;
-        if (vec_ok<T>({dhp, gp, upp, dgp, dup, hp}, n)) {
-          geglu_bwd_kernel<T, V><<<elementwise_grid(n / V + 1), 256, 0, stream>>>(dhp, gp, upp, dgp, dup, hp, n);
-        } else {
-          geglu_bwd_kernel<T, 1><<<elementwise_grid(n), 256, 0, stream>>>(dhp, gp, upp, dgp, dup, hp, n);
-        }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
-    }
+    geglu_backward_rows(dh, g2, u2, dg, du, h);
   }
 
   // a fresh empty tensor per masked-off output: outputs must not alias each other (opcheck's test_schema)
@@ -511,33 +572,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> geglu_mlp_backward_cu
   return {grad_x, grad_wg, grad_wu, grad_wd};
 }
 
-// g4ops_kernels::gelu_tanh_mul: the fused GeGLU product alone, for the kernel benchmark (bench/kernel_bench.py) and
-// tests. Internal: CUDA only, no autograd, not part of the public op set.
+void check_gelu_tanh_mul_pair(const char* op, const at::Tensor& gate, const at::Tensor& up) {
+  G4OPS_CHECK(gate.sizes() == up.sizes(), "g4ops.", op, ": `up` must have the shape of `gate` ", gate.sizes(),
+              ", got ", up.sizes());
+  G4OPS_CHECK(gate.scalar_type() == up.scalar_type(), "g4ops.", op, ": `up` is ", up.scalar_type(), " but `gate` is ",
+              gate.scalar_type());
+  G4OPS_CHECK(gate.is_cuda() && up.device() == gate.device(), "g4ops.", op,
+              ": `gate` and `up` must be on one CUDA device");
+}
+
+// g4ops::gelu_tanh_mul: gelu_tanh(gate) * up, contiguous, in gate's shape. gate and up may be slices along a middle
+// dim (row_matrix reads them in place).
 at::Tensor gelu_tanh_mul_cuda(const at::Tensor& gate, const at::Tensor& up) {
-  G4OPS_CHECK(gate.sizes() == up.sizes(), "g4ops_kernels.gelu_tanh_mul: `up` must have the shape of `gate` ",
-              gate.sizes(), ", got ", up.sizes());
-  G4OPS_CHECK(gate.scalar_type() == up.scalar_type(), "g4ops_kernels.gelu_tanh_mul: `up` is ", up.scalar_type(),
-              " but `gate` is ", gate.scalar_type());
-  G4OPS_CHECK(gate.is_cuda() && up.device() == gate.device(),
-              "g4ops_kernels.gelu_tanh_mul: `gate` and `up` must be on one CUDA device");
+  check_gelu_tanh_mul_pair("gelu_tanh_mul", gate, up);
   const c10::cuda::CUDAGuard guard(gate.device());
-  return geglu_elementwise(gate.contiguous(), up.contiguous());
+  return geglu_rows(row_matrix(gate), row_matrix(up)).view(gate.sizes());
+}
+
+// g4ops::gelu_tanh_mul_backward: (grad_gate, grad_up), contiguous; an output whose mask entry is false is empty.
+std::tuple<at::Tensor, at::Tensor> gelu_tanh_mul_backward_cuda(const at::Tensor& grad_out, const at::Tensor& gate,
+                                                               const at::Tensor& up, std::array<bool, 2> output_mask) {
+  check_gelu_tanh_mul_pair("gelu_tanh_mul_backward", gate, up);
+  G4OPS_CHECK(grad_out.sizes() == gate.sizes() && grad_out.scalar_type() == gate.scalar_type() &&
+                  grad_out.device() == gate.device(),
+              "g4ops.gelu_tanh_mul_backward: `grad_out` must match `gate` in shape, dtype and device");
+  const c10::cuda::CUDAGuard guard(gate.device());
+  const at::Tensor g = row_matrix(gate), u = row_matrix(up);
+  const auto opts = gate.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor dg = output_mask[0] ? at::empty(g.sizes(), opts) : at::Tensor();
+  at::Tensor du = output_mask[1] ? at::empty(g.sizes(), opts) : at::Tensor();
+  at::Tensor none;
+  if (output_mask[0] || output_mask[1]) geglu_backward_rows(grad_out.contiguous().view(g.sizes()), g, u, dg, du, none);
+  return {output_mask[0] ? dg.view(gate.sizes()) : at::empty({0}, gate.options()),
+          output_mask[1] ? du.view(gate.sizes()) : at::empty({0}, gate.options())};
 }
 
 }  // namespace
-
-TORCH_LIBRARY(g4ops_kernels, m) {
-  m.def("gelu_tanh_mul(Tensor gate, Tensor up) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(g4ops_kernels, CUDA, m) {
-  m.impl("gelu_tanh_mul", &gelu_tanh_mul_cuda);
-}
 
 TORCH_LIBRARY_IMPL(g4ops, CUDA, m) {
   m.impl("geglu_mlp", &geglu_mlp_cuda);
   m.impl("geglu_mlp_forward", &geglu_mlp_forward_cuda);
   m.impl("geglu_mlp_backward", &geglu_mlp_backward_cuda);
+  m.impl("gelu_tanh_mul", &gelu_tanh_mul_cuda);
+  m.impl("gelu_tanh_mul_backward", &gelu_tanh_mul_backward_cuda);
 }
 
 }  // namespace g4ops

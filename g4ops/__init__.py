@@ -6,7 +6,7 @@ from .ops._build import build as build_kernels
 from .ops._build import status as kernel_status
 from .hf import Route, disable, enable, generation_route, is_enabled
 from .ops.loss import linear_cross_entropy
-from .ops import decode_attention, geglu_mlp, rms_norm, sandwich_norm
+from .ops import decode_attention, geglu_mlp, gelu_tanh_mul, rms_norm, sandwich_norm
 from . import optim  # g4ops.optim.AdamW
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "kernel_status",
     "decode_attention",
     "geglu_mlp",
+    "gelu_tanh_mul",
     "linear_cross_entropy",
     "rms_norm",
     "sandwich_norm",

@@ -14,8 +14,9 @@ The module patches of g4ops.hf, the package that knows transformers' Gemma-4 cla
   them: an instance-level forward that runs `g4ops::lora_linear` (`_route_projection_lora`; the attention's own
   forward stays stock). The class-wide `enable()` leaves them to peft and the decoder layer says so once.
 - `Gemma4TextDecoderLayer.forward` -> stock's layer code with its middle (post_attention_layernorm, the residual add,
-  pre_feedforward_layernorm) as one `g4ops.sandwich_norm`. Only for the signature it knows (5.6 to 5.25: the cache
-  argument is `past_key_values` or `cache`), without MoE, and when both norms compute Gemma4RMSNorm unhooked;
+  pre_feedforward_layernorm) as one `g4ops.sandwich_norm`, and the per-layer-input gate as `g4ops.gelu_tanh_mul`.
+  Only for the signature it knows (5.6 to 5.25: the cache argument is `past_key_values` or `cache`), without MoE,
+  and when both norms compute Gemma4RMSNorm unhooked;
   otherwise the layer runs its stock forward (whose norms still use g4ops.rms_norm).
 - `Gemma4TextScaledWordEmbedding.forward` -> the same lookup and scale through `g4ops.ops.embedding`, whose weight
   gradient is ATen's kernel kept opaque to Inductor (no 10.5 GiB fp32 transient for E4B's per-layer table under
@@ -89,20 +90,21 @@ def _make_embedding_forward(stock_forward):
     return forward
 
 
-def _gelu_tanh_mlp(mlp: nn.Module) -> bool:
-    return getattr(getattr(mlp, "config", None), "hidden_activation", None) in _GELU_TANH_NAMES
+def _computes_gelu_tanh(module: nn.Module) -> bool:
+    """The module's config names the tanh GELU (the MLP's and the decoder layer's `act_fn`)."""
+    return getattr(getattr(module, "config", None), "hidden_activation", None) in _GELU_TANH_NAMES
 
 
 def mlp_uses_g4ops(mlp: nn.Module) -> bool:
     """Whether a Gemma4TextMLP can run as one geglu_mlp op (else peft_lora's LoRA path or its stock forward)."""
-    return _gelu_tanh_mlp(mlp) and all(is_plain_linear(getattr(mlp, n, None)) for n in peft_lora.MLP_PROJECTIONS)
+    return _computes_gelu_tanh(mlp) and all(is_plain_linear(getattr(mlp, n, None)) for n in peft_lora.MLP_PROJECTIONS)
 
 
 def _make_mlp_forward(stock_forward):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_plain_tensor(x) and mlp_uses_g4ops(self):
             return ops.geglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        if is_plain_tensor(x) and _gelu_tanh_mlp(self):
+        if is_plain_tensor(x) and _computes_gelu_tanh(self):
             out = peft_lora.lora_mlp_forward(self, x)  # peft LoRA projections; None: not reproduced
             if out is not None:
                 return out
@@ -162,6 +164,20 @@ def norm_eps(norm) -> float:
     return attrs["eps"] if "eps" in attrs else attrs["variance_epsilon"]
 
 
+def _gated_per_layer_input(layer, gate, per_layer_input):
+    """stock's `act_fn(gate) * per_layer_input`, as `g4ops.gelu_tanh_mul` (one rounding, no intermediate) where the
+    activation is gelu_tanh and both are plain tensors of one dtype (not under autocast, where the gate is bf16 and
+    the per-layer input fp32). The op matters for training: its gradient for the per-layer input is computed once
+    per layer, where Inductor would recompute every layer's gate arithmetic inside the sum over layers
+    (`ops.gelu_tanh_mul` says more)."""
+    fused = (_computes_gelu_tanh(layer) and per_layer_input is not None and is_plain_tensor(gate)
+             and is_plain_tensor(per_layer_input) and gate.dtype == per_layer_input.dtype
+             and gate.shape == per_layer_input.shape)  # fmt: skip
+    if fused:
+        return ops.gelu_tanh_mul(gate, per_layer_input)
+    return layer.act_fn(gate) * per_layer_input
+
+
 def _make_decoder_layer_forward(stock_forward):
     """Stock Gemma4TextDecoderLayer.forward with its middle (post_attention_layernorm, the residual add,
     pre_feedforward_layernorm) as one `g4ops.sandwich_norm`. Everything else is stock's code, in stock's order."""
@@ -198,9 +214,7 @@ def _make_decoder_layer_forward(stock_forward):
 
         if self.hidden_size_per_layer_input:
             residual = hidden_states
-            hidden_states = self.per_layer_input_gate(hidden_states)
-            hidden_states = self.act_fn(hidden_states)
-            hidden_states = hidden_states * per_layer_input
+            hidden_states = _gated_per_layer_input(self, self.per_layer_input_gate(hidden_states), per_layer_input)
             hidden_states = self.per_layer_projection(hidden_states)
             hidden_states = self.post_per_layer_input_norm(hidden_states)
             hidden_states = residual + hidden_states

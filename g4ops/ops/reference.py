@@ -110,9 +110,9 @@ def sandwich_norm_backward(
 
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) * up in the accumulation dtype, rounded once to gate.dtype."""
+    """gelu_tanh(gate) * up in the accumulation dtype, rounded once to gate.dtype (contiguous)."""
     acc = accumulation_dtype(gate.dtype)
-    return (F.gelu(gate.to(acc), approximate="tanh") * up.to(acc)).to(gate.dtype)
+    return (F.gelu(gate.to(acc), approximate="tanh") * up.to(acc)).to(gate.dtype).contiguous()
 
 
 def gelu_tanh_mul_backward(
@@ -124,6 +124,16 @@ def gelu_tanh_mul_backward(
     gelu_g = F.gelu(g, approximate="tanh")
     grad_gate = torch.ops.aten.gelu_backward(dh * u, g, approximate="tanh")
     return grad_gate.to(gate.dtype), (dh * gelu_g).to(gate.dtype), (gelu_g * u).to(gate.dtype)
+
+
+def gelu_tanh_mul_grads(
+    grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, output_mask: list[bool]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """g4ops.gelu_tanh_mul_backward: (grad_gate, grad_up), contiguous; an output whose mask entry is False is an
+    empty tensor."""
+    grad_gate, grad_up, _ = gelu_tanh_mul_backward(grad_out, gate, up)
+    grads = (grad_gate, grad_up)
+    return tuple(g.contiguous() if wanted else gate.new_empty(0) for g, wanted in zip(grads, output_mask))
 
 
 def geglu_mlp_forward(
