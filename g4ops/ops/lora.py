@@ -33,17 +33,17 @@ In eval mode, or with p = 0, dropout is the identity and nothing is drawn.
 
 Kernels: the reference math below is the kernel on every device. Called eagerly on CUDA, the op runs it through
 torch.compile (`_fused`, as loss.py's elementwise helpers do): the GEMMs stay on cuBLAS and Inductor fuses what lies
-between them (the low-rank adds and casts, dropout masks, the GeGLU product and its backward), where eager mode
-makes about a dozen full-size fp32 passes per MLP backward. csrc's MLP kernels do not fit: geglu_mlp_backward
-computes dh from the base down weight alone and returns no dgate/dup, which the adapter gradients need; the GeGLU
-product alone (`g4ops.gelu_tanh_mul`) runs in eager mode when the compiled path is off, and where it is on Inductor
-fuses the product with the casts around it. In the ops called from a compile that replays CUDA graphs (or
-everywhere on CUDA with G4OPS_LORA_SPLIT=1; never with =0), fp32 adapters of a bf16 model take their products on
-bf16 tensor cores, the fp32 operands split exactly into bf16 parts (`_split_mm`; the ops' `split` flag, `SPLIT_DEVICES` says why only there), and the K=r
-products that land in a bf16 output (B's in y, A's in dz) fold into one GEMM that adds them to the base GEMM's bf16
-output and rounds once (`_plus_low_rank`). y then has peft's roundings; in dz the base GEMM's output is rounded to
-bf16 before the adapters' terms are added, as peft does (the path without split sums them in fp32), and dh reaches
-the GeGLU backward in bf16, as peft's does.
+between them (the low-rank adds and casts, dropout masks, the GeGLU product and its backward), where eager mode makes
+about a dozen full-size fp32 passes per MLP backward. csrc's MLP kernels do not fit: geglu_mlp_backward computes dh from
+the base down weight alone and returns no dgate/dup, which the adapter gradients need; the GeGLU product alone
+(`g4ops.gelu_tanh_mul`) runs in eager mode when the compiled path is off, and where it is on Inductor fuses the product
+with the casts around it. In the ops called from a compile that replays CUDA graphs (or everywhere on CUDA with
+G4OPS_LORA_SPLIT=1; never with =0), fp32 adapters of a bf16 model take their products on bf16 tensor cores, the fp32
+operands split exactly into bf16 parts (`_split_mm`; the ops' `split` flag, `SPLIT_DEVICES` says why only there), and
+the K=r products that land in a bf16 output (B's in y, A's in dz) fold into one GEMM that adds them to the base GEMM's
+bf16 output and rounds once (`_plus_low_rank`). y then has peft's roundings; in dz the base GEMM's output is rounded to
+bf16 before the adapters' terms are added, as peft does (the path without split sums them in fp32), and dh reaches the
+GeGLU backward in bf16, as peft's does.
 
 Inside an outer torch.compile (`torch.compiler.is_compiling()` in `lora_geglu_mlp`) that does not replay CUDA
 graphs there is no opaque op (below: when, and the measurements): the
