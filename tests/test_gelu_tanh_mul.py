@@ -108,9 +108,9 @@ def test_gelu_tanh_mul_no_less_accurate_than_stock(device, config, seed):
     n = gate.numel()
     for name, g4, st_, ref in zip(("h", "grad_gate", "grad_up"), ours, stock, truth):
         assert g4.dtype == dtype and g4.shape == gate.shape, (name, g4.dtype, g4.shape)
+        # (no bound on the error alone: ATen's fp32 tanh formula, which both compute, loses its relative accuracy
+        # where gelu's tail cancels, gate < -4 or so, and a one-element draw can sit there)
         O.assert_no_worse_than_stock(name, O.rel_err(g4, ref), O.rel_err(st_, ref), O.floor(dtype, 1, n))
-        # and within one rounding (plus fp32 arithmetic) of the truth on its own
-        assert O.rel_err(g4, ref) <= O.tolerance(dtype, 1) + 8 * O.tolerance(torch.float32, 1), name
 
 
 @pytest.mark.parametrize("device", DEVICES)
