@@ -163,23 +163,24 @@ def _backward_targets(model, ids):
     return targets
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("trainable", ["full", "frozen embeddings"])
-def test_enabled_layers_gate_their_per_layer_input_with_the_op(trainable):
+def test_enabled_layers_gate_their_per_layer_input_with_the_op(device, trainable):
     """Each decoder layer's per-layer-input gate is one gelu_tanh_mul, in eager mode (counted calls) and in the
     compiled backward (one gelu_tanh_mul_backward per layer); the gradients equal stock's two-step gate within
-    fp32 rounding."""
+    fp32 rounding. On CUDA this checks that the GPU's torch/transformers stack takes the op too."""
     from g4ops.models import build_model
 
     layers = 4
     torch.manual_seed(0)
-    stock = build_model("tiny-e4b", num_layers=layers)
-    model = build_model("tiny-e4b", num_layers=layers)
+    stock = build_model("tiny-e4b", num_layers=layers, device=device)
+    model = build_model("tiny-e4b", num_layers=layers, device=device)
     model.load_state_dict(stock.state_dict())
     if trainable == "frozen embeddings":
         for m in (stock, model):
             m.get_input_embeddings().weight.requires_grad_(False)
             m.model.embed_tokens_per_layer.weight.requires_grad_(False)
-    ids = torch.randint(0, model.config.get_text_config().vocab_size, (2, 9))
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (2, 9), device=device)
     stock(input_ids=ids, labels=ids).loss.backward()
 
     calls = []
