@@ -296,6 +296,17 @@ def test_flex_options_bench_smoke(tmp_path):
         assert row["fwd_bwd_ms"] > 0 and max(row["rel_err"].values()) < 1e-5, row  # fp32 against fp64
 
 
+def test_lora_fold_bench_smoke(tmp_path):
+    """Both fold orders of bench/lora_fold.py against fp64 on CPU: rounding the small low-rank term (base last) is
+    no less accurate than rounding the base product (today's order), and both are within a few bf16 roundings."""
+    out = tmp_path / "fold.json"
+    _run(["bench/lora_fold.py", "--device", "cpu", "--smoke", "--json", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3, rows
+    for row in rows:
+        assert 0 < row["base_last_rel_err"] <= row["base_first_rel_err"] < 2 * 2.0**-8, row
+
+
 def test_demo_without_compile_reports_parity(tmp_path):
     # the README's main job, minus the compile variants (CI time): every variant, the GreedyDecoder included
     proc = _run(["-m", "g4ops", "demo", "--no-compile", "--tokens", "12"], tmp_path)
