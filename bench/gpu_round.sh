@@ -69,9 +69,11 @@ if has build; then
   fi
   echo "build rc=$brc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/build.log"
   if [ "$brc" != 0 ]; then echo "BUILD FAILED"; tail -60 "$OUT/build.log"; exit 1; fi
-  if [ "${SAVE_BUILD:-0}" = 1 ]; then
-    for lib in "$cache"/*/g4ops_cuda_*.so; do gzip -9 -c "$lib" > "$OUT/$(basename "$lib").gz"; done
-    ls -l "$OUT"/g4ops_cuda_*.so.gz
+  if [ "${SAVE_BUILD:-0}" = 1 ]; then  # the libraries built in this call (not those unpacked from .prebuilt/)
+    for lib in "$cache"/*/g4ops_cuda_*.so; do
+      [ -f ".prebuilt/$(basename "$lib").gz" ] || gzip -9 -c "$lib" > "$OUT/$(basename "$lib").gz"
+    done
+    ls -l "$OUT"/g4ops_cuda_*.so.gz 2>/dev/null
   fi
 fi
 
