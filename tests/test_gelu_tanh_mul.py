@@ -166,9 +166,10 @@ def _backward_targets(model, ids):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("trainable", ["full", "frozen embeddings"])
 def test_enabled_layers_gate_their_per_layer_input_with_the_op(device, trainable):
-    """Each decoder layer's per-layer-input gate is one gelu_tanh_mul, in eager mode (counted calls) and in the
-    compiled backward (one gelu_tanh_mul_backward per layer); the gradients equal stock's two-step gate within
-    fp32 rounding. On CUDA this checks that the GPU's torch/transformers stack takes the op too."""
+    """In training each decoder layer's per-layer-input gate is one gelu_tanh_mul, in eager mode (counted calls) and
+    in the compiled backward (one gelu_tanh_mul_backward per layer), and not in inference; the gradients equal
+    stock's two-step gate within fp32 rounding. On CUDA this checks that the GPU's torch/transformers stack takes
+    the op too."""
     from g4ops.models import build_model
 
     layers = 4
@@ -194,9 +195,12 @@ def test_enabled_layers_gate_their_per_layer_input_with_the_op(device, trainable
         ops.gelu_tanh_mul, saved = counting, ops.gelu_tanh_mul
         try:
             model(input_ids=ids, labels=ids).loss.backward()
+            assert len(calls) == layers, calls
+            with torch.no_grad():  # inference keeps stock's two steps (a compiled decode step fuses them)
+                model(input_ids=ids)
+            assert len(calls) == layers, calls
         finally:
             ops.gelu_tanh_mul = saved
-        assert len(calls) == layers, calls
         for (name, p), q in zip(model.named_parameters(), stock.parameters()):
             if q.grad is None:
                 assert p.grad is None, name

@@ -165,12 +165,14 @@ def norm_eps(norm) -> float:
 
 
 def _gated_per_layer_input(layer, gate, per_layer_input):
-    """stock's `act_fn(gate) * per_layer_input`, as `g4ops.gelu_tanh_mul` (one rounding, no intermediate) where the
-    activation is gelu_tanh and both are plain tensors of one dtype (not under autocast, where the gate is bf16 and
-    the per-layer input fp32). The op matters for training: its gradient for the per-layer input is computed once
-    per layer, where Inductor would recompute every layer's gate arithmetic inside the sum over layers
-    (`ops.gelu_tanh_mul` says more)."""
-    fused = (_computes_gelu_tanh(layer) and per_layer_input is not None and is_plain_tensor(gate)
+    """stock's `act_fn(gate) * per_layer_input`, as `g4ops.gelu_tanh_mul` (one rounding, no intermediate) where a
+    gradient flows through it, the activation is gelu_tanh and both are plain tensors of one dtype (not under
+    autocast, where the gate is bf16 and the per-layer input fp32). The op is for training: its gradient for the
+    per-layer input is computed once per layer, where Inductor would recompute every layer's gate arithmetic inside
+    the sum over layers (`ops.gelu_tanh_mul` says more). Inference keeps stock's two steps, which a compiled decode
+    step fuses with what surrounds them."""
+    fused = (_computes_gelu_tanh(layer) and per_layer_input is not None and torch.is_grad_enabled()
+             and (gate.requires_grad or per_layer_input.requires_grad) and is_plain_tensor(gate)
              and is_plain_tensor(per_layer_input) and gate.dtype == per_layer_input.dtype
              and gate.shape == per_layer_input.shape)  # fmt: skip
     if fused:
