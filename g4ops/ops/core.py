@@ -751,7 +751,9 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     per_layer_inputs[:, :, i, :], so the backward sums one select_backward per layer into the per-layer-input
     gradient. Inductor fuses every layer's gate arithmetic into that sum and, for each of the 42 x 256 output
     columns of a token, evaluates all 42 layers' terms: one 3.25 ms kernel per E4B step at 2048 tokens (an H100,
-    2026-12-07). With the gradient an op's output, the sum only picks each column's one input."""
+    2026-12-07). With the gradient an op's output, the sum only picks each column's one input (so the CPU's
+    generated code reads; the one A/B on an H200 showed no change in GPU time yet, and did not show whether that
+    run took the op: bench/results/2026-12-07-h200-session55.md)."""
     return torch.ops.g4ops.gelu_tanh_mul(gate, up)
 
 
