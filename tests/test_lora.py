@@ -163,17 +163,23 @@ def test_rslora_and_set_scale_use_peft_scaling(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("adapter_fp32", [True, False], ids=["fp32-adapters", "bf16-adapters"])
-@pytest.mark.parametrize("split", [True, False], ids=["split-products", "fp32-products"])
+@pytest.mark.parametrize("split", ["base_first", "base_last", None],
+                         ids=["split-products", "split-products-base-last", "fp32-products"])
 def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monkeypatch):
-    """`split`: fp32 adapters take their products with bf16 tensors through lora._split_mm (opt-in on CUDA,
-    G4OPS_LORA_SPLIT=1; on CPU the same arithmetic in fp32), else through fp32 copies as peft does."""
+    """`split` (a fold order, lora.FOLD_ORDER): fp32 adapters take their products with bf16 tensors through
+    lora._split_mm (opt-in on CUDA, G4OPS_LORA_SPLIT=1; on CPU the same arithmetic in fp32) and fold them into the base
+    GEMMs in that order; None: through fp32 copies as peft does."""
     devices = {device} if split else set()
     monkeypatch.setattr(lora, "SPLIT_DEVICES", devices)
     split_calls = []
     split_mm = lora._split_mm
     monkeypatch.setattr(lora, "_split_mm", lambda a, b: split_calls.append(1) or split_mm(a, b))
-    folds, fold = [], lora._plus_low_rank  # folds: one entry per call that folds at least one product
-    monkeypatch.setattr(lora, "_plus_low_rank", lambda out, pairs: folds.extend(pairs[:1]) or fold(out, pairs))
+    # folds: one entry per call that folds at least one product, in the fold order `split` names (lora.FOLD_ORDER)
+    folds, fold = [], lora._linear_plus_low_rank
+    monkeypatch.setattr(lora, "_linear_plus_low_rank", lambda z, w, pairs: folds.extend(pairs[:1]) or fold(z, w, pairs))
+    monkeypatch.setattr(lora, "FOLD_ORDER", split or lora.FOLD_ORDER)
+    orders, plus_base = [], lora._low_rank_plus_base
+    monkeypatch.setattr(lora, "_low_rank_plus_base", lambda *a: orders.append(1) or plus_base(*a))
     # peft's default (autocast_adapter_dtype=True) keeps a bf16 model's adapters in fp32
     model = _mlp_model(device, BF16).train()
     if not adapter_fp32:
@@ -193,6 +199,7 @@ def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monke
     assert len(split_calls) == (2 * 3 + 2 * 2 if split and adapter_fp32 else 0), len(split_calls)
     # and per projection, B's products in the forward and A's in dx fold into the base GEMMs' outputs
     assert len(folds) == (3 + 2 if split and adapter_fp32 else 0), len(folds)
+    assert len(orders) == (len(folds) if split == "base_last" else 0)
     O.assert_run_no_worse_than_stock(ours, stock, truth, INTER, TOKENS[0] * TOKENS[1], BF16)
 
 
@@ -331,6 +338,29 @@ def test_plus_low_rank_rounds_once(device, gemm, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_low_rank_plus_base_rounds_the_low_rank_term_then_the_sum(device):
+    """The "base_last" fold (G4OPS_LORA_FOLD): two fp32 low-rank products, one on strided rows, summed and rounded
+    once to bf16, then the base GEMM z @ W^T (z of 3-D strided rows, W a transposed view, as the backward passes it)
+    added and the sum rounded once, up to an fp32 accumulator's rounding (one bf16 ulp near a tie)."""
+    gen = torch.Generator().manual_seed(16)
+    t, k, n = (3, 11), 24, 41
+    z = O.make_tensor((*t, k), BF16, gen, device=device, layout="sliced")
+    weight = O.make_tensor((k, n), BF16, gen, device=device).t()
+    pairs = [(O.make_tensor((*t, 4), F32, gen, device=device, scale=0.1), O.make_tensor((n, 4), F32, gen,
+                                                                                          device=device)),
+             (O.make_tensor((*t, 2), F32, gen, device=device, layout="sliced", scale=0.1),
+              O.make_tensor((2, n), F32, gen, device=device).t())]  # fmt: skip
+    low_rank = sum(left.double() @ right.double().t() for left, right in pairs)
+    exact = z.double() @ weight.double().t() + low_rank.to(BF16).double()
+    got = lora._low_rank_plus_base(z, weight, pairs)
+    assert got.dtype == BF16 and got.shape == (*t, n)
+    rounded = exact.to(BF16)
+    ulp = (rounded.double().abs() * 2.0**-7).clamp_min(2.0**-133)
+    assert ((got.double() - rounded.double()).abs() <= ulp).all()
+    assert (got == rounded).float().mean() > 0.98
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_add_product_rounded(device):
     """The fold's op: its schema says it writes c, its fake kernel matches, and it traces (torch.library.opcheck)."""
     gen = torch.Generator().manual_seed(9)
@@ -339,18 +369,22 @@ def test_opcheck_add_product_rounded(device):
     torch.library.opcheck(torch.ops.g4ops.add_product_rounded, (c, a, b))
 
 
-def test_plus_low_rank_adds_into_the_base_output_under_inductor():
-    """Compiled, the fold writes into the base GEMM's output buffer, with no copy of it first: the op that mutates it
-    is re-inplaced by Inductor (out-of-place, ATen's baddbmm copies c into its result: one [T, n] memcpy per fold on
-    the GPU). The generated code hands the mm's own output buffer to the op; the result is eager's, bitwise."""
+@pytest.mark.parametrize("order", lora.FOLD_ORDERS)
+def test_fold_adds_into_the_first_gemms_output_under_inductor(order, monkeypatch):
+    """Compiled, the fold writes into the first GEMM's output buffer (the base GEMM's, or base_last's low-rank one),
+    with no copy of it first: the op that mutates it is re-inplaced by Inductor (out-of-place, ATen's baddbmm copies
+    c into its result: one [T, n] memcpy per fold on the GPU). The generated code hands the mm's own output buffer to
+    the op; the result is eager's, bitwise."""
     from torch._inductor.utils import run_and_get_code
 
     gen = torch.Generator().manual_seed(8)
     x, w = O.make_tensor((2, 5, 16), BF16, gen), O.make_tensor((24, 16), BF16, gen)
     left, right = O.make_tensor((2, 5, 4), F32, gen), O.make_tensor((24, 4), F32, gen)
 
+    monkeypatch.setattr(lora, "FOLD_ORDER", order)
+
     def fold(x, w, left, right):
-        return lora._plus_low_rank(F.linear(x, w), [(left, right)])
+        return lora._linear_plus_low_rank(x, w, [(left, right)])
 
     torch._dynamo.reset()
     try:

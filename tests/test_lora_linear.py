@@ -161,14 +161,19 @@ def test_eager_calls_run_peft_by_default(device, monkeypatch, caplog):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("adapter_fp32", [True, False], ids=["fp32-adapters", "bf16-adapters"])
-@pytest.mark.parametrize("split", [True, False], ids=["split-products", "fp32-products"])
+@pytest.mark.parametrize("split", ["base_first", "base_last", None],
+                         ids=["split-products", "split-products-base-last", "fp32-products"])
 def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monkeypatch):
     monkeypatch.setattr(lora, "SPLIT_DEVICES", {device} if split else set())
     split_calls = []
     split_mm = lora._split_mm
     monkeypatch.setattr(lora, "_split_mm", lambda a, b: split_calls.append(1) or split_mm(a, b))
-    folds, fold = [], lora._plus_low_rank  # folds: one entry per call that folds at least one product
-    monkeypatch.setattr(lora, "_plus_low_rank", lambda out, pairs: folds.extend(pairs[:1]) or fold(out, pairs))
+    # folds: one entry per call that folds at least one product, in the fold order `split` names (lora.FOLD_ORDER)
+    folds, fold = [], lora._linear_plus_low_rank
+    monkeypatch.setattr(lora, "_linear_plus_low_rank", lambda z, w, pairs: folds.extend(pairs[:1]) or fold(z, w, pairs))
+    monkeypatch.setattr(lora, "FOLD_ORDER", split or lora.FOLD_ORDER)
+    orders, plus_base = [], lora._low_rank_plus_base
+    monkeypatch.setattr(lora, "_low_rank_plus_base", lambda *a: orders.append(1) or plus_base(*a))
     model = _model(device, BF16).train()  # peft keeps a bf16 model's adapters in fp32
     if not adapter_fp32:
         for name, p in model.named_parameters():
@@ -183,6 +188,7 @@ def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monke
     assert len(split_calls) == (4 * 2 if split and adapter_fp32 else 0), len(split_calls)
     # and per projection, B's products in the forward and A's in dx fold into the base GEMMs' outputs
     assert len(folds) == (2 * 2 if split and adapter_fp32 else 0), len(folds)
+    assert len(orders) == (len(folds) if split == "base_last" else 0)
     O.assert_run_no_worse_than_stock(ours, stock, truth, HIDDEN, TOKENS[0] * TOKENS[1], BF16)
 
 

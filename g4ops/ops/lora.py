@@ -40,10 +40,11 @@ the base down weight alone and returns no dgate/dup, which the adapter gradients
 with the casts around it. In the ops called from a compile that replays CUDA graphs (or everywhere on CUDA with
 G4OPS_LORA_SPLIT=1; never with =0), fp32 adapters of a bf16 model take their products on bf16 tensor cores, the fp32
 operands split exactly into bf16 parts (`_split_mm`; the ops' `split` flag, `SPLIT_DEVICES` says why only there), and
-the K=r products that land in a bf16 output (B's in y, A's in dz) fold into one GEMM that adds them to the base GEMM's
-bf16 output and rounds once (`_plus_low_rank`). y then has peft's roundings; in dz the base GEMM's output is rounded to
-bf16 before the adapters' terms are added, as peft does (the path without split sums them in fp32), and dh reaches the
-GeGLU backward in bf16, as peft's does.
+the K=r products that land in a bf16 output (B's in y, A's in dz) fold into the base GEMM with one rounding of the
+sum (`_linear_plus_low_rank`). In the default order (FOLD_ORDER "base_first") one GEMM adds them to the base GEMM's
+bf16 output: y then has peft's roundings; in dz the base GEMM's output is rounded to bf16 before the adapters' terms
+are added, as peft does (the path without split sums them in fp32), and dh reaches the GeGLU backward in bf16, as
+peft's does. "base_last" rounds the low-rank sum instead and lets the base GEMM add into it.
 
 Inside an outer torch.compile (`torch.compiler.is_compiling()` in `lora_geglu_mlp`) that does not replay CUDA
 graphs there is no opaque op (below: when, and the measurements): the
@@ -352,6 +353,39 @@ def _gemm_adds_c_unrounded(c) -> bool:
     return c.is_cuda
 
 
+# The fold's order. "base_first": the base GEMM writes its bf16 output, then a K=9r GEMM reads it, adds the low-rank
+# products and writes it again (`_plus_low_rank`; peft's roundings in y). "base_last": the K=9r GEMM writes the
+# low-rank products first, rounded to bf16, and the base GEMM adds its product into them before its one rounding
+# (`_low_rank_plus_base`): the [T, n] output is read once less, the rounding moves from the base product to the
+# low-rank term, the smaller one. G4OPS_LORA_FOLD picks; bench/lora_fold.py times both.
+FOLD_ORDERS = ("base_first", "base_last")
+FOLD_ORDER = os.environ.get("G4OPS_LORA_FOLD", "base_first")
+if FOLD_ORDER not in FOLD_ORDERS:
+    raise ValueError(f"G4OPS_LORA_FOLD={FOLD_ORDER!r}: expected one of {FOLD_ORDERS}")
+
+
+def _linear_plus_low_rank(z, weight, pairs):
+    """F.linear(z, weight) in bf16 plus the low-rank products of `pairs` (`_plus_low_rank`), folded in FOLD_ORDER."""
+    if pairs and FOLD_ORDER == "base_last":
+        return _low_rank_plus_base(z, weight, pairs)
+    return _plus_low_rank(F.linear(z, weight), pairs)
+
+
+def _folded_pairs(pairs):
+    """(L, R^T) in bf16 with L @ R^T == sum of left @ right^T over `pairs` up to an fp32 sum's order: each pair's
+    `_split_pairs` side by side."""
+    lefts, rights = zip(*(_split_pairs(_rows(left), right) for left, right in pairs))
+    return torch.cat(lefts, 1), torch.cat(rights, 1).t()
+
+
+def _low_rank_plus_base(z, weight, pairs):
+    """The "base_last" fold: the low-rank sum of `pairs` rounded once to bf16, then z @ weight^T added to it by the
+    base GEMM (beta=1) and the sum rounded once."""
+    low_rank = torch.mm(*_folded_pairs(pairs))
+    torch.ops.g4ops.add_product_rounded(low_rank, _rows(z), weight.t())
+    return low_rank.view(*z.shape[:-1], weight.shape[0])
+
+
 def _plus_low_rank(out, pairs):
     """bf16 `out` [..., n] + sum of left @ right^T over `pairs` of fp32 left [..., r] and right [n, r], rounded once
     to bf16, in one bf16 GEMM (`_split_pairs` side by side, `_add_product_rounded`) that writes into `out`: callers
@@ -360,9 +394,8 @@ def _plus_low_rank(out, pairs):
     and read back (84 MB per gate/up term at 2048 tokens)."""
     if not pairs:
         return out
-    lefts, rights = zip(*(_split_pairs(_rows(left), right) for left, right in pairs))
     rows = _rows(out)
-    torch.ops.g4ops.add_product_rounded(rows, torch.cat(lefts, 1), torch.cat(rights, 1).t())
+    torch.ops.g4ops.add_product_rounded(rows, *_folded_pairs(pairs))
     return rows.view(out.shape)
 
 
@@ -380,14 +413,16 @@ def _split_products(source, *projections, split: bool):
     return out
 
 
-def _with_adapters(base_out, z, lora_a, lora_b, scaling, drops, split: bool, split_mids=None):
-    """peft's `lora.Linear.forward` after the base layer, in its order and dtypes: (y, [A_a(dropout_a(z_a))]).
-    Split (`_splits`): the same sum, with A's products from `_split_products` (`split_mids`, when the caller took
-    them together with another projection's) and B's folded into one GEMM that adds them to the base output."""
-    y, mids = base_out, []
+def _with_adapters(z, weight, lora_a, lora_b, scaling, drops, split: bool, split_mids=None):
+    """peft's `lora.Linear.forward` with base layer F.linear(z, weight), in its order and dtypes:
+    (y, [A_a(dropout_a(z_a))]). Split (`_splits`): the same sum, with A's products from `_split_products`
+    (`split_mids`, when the caller took them together with another projection's) and B's folded into the base GEMM
+    (`_linear_plus_low_rank`)."""
+    mids = []
     if split_mids is None:
         split_mids = _split_products(z, (lora_a, drops), split=split)[0]
-    split = _splits(z, lora_a, split)  # then every cast below is bf16 -> fp32: exact
+    base_in, split = z, _splits(z, lora_a, split)  # split: every cast below is bf16 -> fp32, exact
+    y = None if split else F.linear(z, weight)
     for a, b, s, drop, split_mid in zip(lora_a, lora_b, scaling, drops, split_mids):
         z = z.to(a.dtype)  # peft's _cast_input_dtype, cumulative like its loop
         mid = split_mid if split_mid is not None else F.linear(_dropped(z, drop), a)
@@ -395,8 +430,9 @@ def _with_adapters(base_out, z, lora_a, lora_b, scaling, drops, split: bool, spl
         if not split:
             y = y + F.linear(mid, b) * s
     if split:
-        return _plus_low_rank(base_out, [(mid, b * s) for mid, b, s in zip(mids, lora_b, scaling)]).contiguous(), mids
-    return y.to(base_out.dtype).contiguous(), mids
+        folds = [(mid, b * s) for mid, b, s in zip(mids, lora_b, scaling)]
+        return _linear_plus_low_rank(base_in, weight, folds).contiguous(), mids
+    return y.to(base_in.dtype).contiguous(), mids
 
 
 def _gelu_tanh_mul(gate, up):
@@ -414,10 +450,10 @@ def lora_geglu_mlp_forward_math(x, w_gate, w_up, w_down, lora_a, lora_b, scaling
     gs, us, ds = _split(scaling, counts)
     gd, ud, dd = _split(_per_adapter_masks(dropout, dropout_mask), counts)
     gate_split, up_split = _split_products(x, (ga, gd), (ua, ud), split=split)  # one GEMM over x for both
-    gate, gate_mid = _with_adapters(F.linear(x, w_gate), x, ga, gb, gs, gd, split, gate_split)
-    up, up_mid = _with_adapters(F.linear(x, w_up), x, ua, ub, us, ud, split, up_split)
+    gate, gate_mid = _with_adapters(x, w_gate, ga, gb, gs, gd, split, gate_split)
+    up, up_mid = _with_adapters(x, w_up, ua, ub, us, ud, split, up_split)
     h = _gelu_tanh_mul(gate, up)
-    out, down_mid = _with_adapters(F.linear(h, w_down), h, da, db, ds, dd, split)
+    out, down_mid = _with_adapters(h, w_down, da, db, ds, dd, split)
     return out, gate, up, gate_mid + up_mid + down_mid
 
 
@@ -485,7 +521,7 @@ def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lo
     # down: dh = grad_out @ W_down + sum_a u_a @ A_a, kept in fp32 into the GeGLU backward, which recomputes h
     # (split: the terms folded into the base GEMM's bf16 output, `_plus_low_rank`)
     lora_h, down_folds, down_us, grad_db = _low_rank_grads(grad_out, da, db, ds, dd, dm, dmb, acc, split)
-    grad_h = _plus_low_rank(F.linear(grad_out, w_down.t()), down_folds)
+    grad_h = _linear_plus_low_rank(grad_out, w_down.t(), down_folds)
     if lora_h is not None:
         grad_h = grad_h.to(acc) + lora_h
     grad_gate, grad_up, h = reference.gelu_tanh_mul_backward(grad_h, gate, up)
@@ -496,7 +532,7 @@ def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lo
     # one GEMM over x for both
     grad_ga, grad_ua = _a_grads(x, (gate_us, ga, gd, gma), (up_us, ua, ud, uma), split=split)
     if output_mask[0]:
-        grad_x = _plus_low_rank(F.linear(grad_gate, w_gate.t()), gate_folds + up_folds).to(acc)
+        grad_x = _linear_plus_low_rank(grad_gate, w_gate.t(), gate_folds + up_folds).to(acc)
         grad_x = grad_x + F.linear(grad_up, w_up.t()).to(acc)
         for term in (lora_gx, lora_ux):
             if term is not None:
@@ -798,7 +834,7 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
 
 def lora_linear_forward_math(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, split=False):
     drops = _per_adapter_masks(dropout, dropout_mask)
-    return _with_adapters(F.linear(x, weight), x, lora_a, lora_b, scaling, drops, split)
+    return _with_adapters(x, weight, lora_a, lora_b, scaling, drops, split)
 
 
 def lora_linear_backward_math(grad_out, x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, lora_mid,
@@ -810,7 +846,7 @@ def lora_linear_backward_math(grad_out, x, weight, lora_a, lora_b, scaling, drop
                                                 acc, split)  # fmt: skip
     (grad_a,) = _a_grads(x, (us, lora_a, drops, lora_mask[:n]), split=split)
     if output_mask[0]:
-        grad_x = _plus_low_rank(F.linear(grad_out, weight.t()), folds)
+        grad_x = _linear_plus_low_rank(grad_out, weight.t(), folds)
         if lora_x is not None:
             grad_x = (grad_x.to(acc) + lora_x).to(x.dtype)
         grad_x = grad_x.contiguous()
