@@ -28,9 +28,23 @@
 # library was 20.4 MB on 2026-12-05, past the 16 MiB a returned file may have); put the file that comes back into
 # .prebuilt/ here (ignored) and carry ".prebuilt": the next call's build stage then loads it (g4ops/ops/_build.py: its
 # name is the build's tag, so it is used only for the same sources, torch, CUDA and arch).
+# KEEP (file globs, space-separated): only the round's files that match come back in $OUT (a device call returns at
+# most 8; session 55 lost a kernel table to that limit); the rest stays in a scratch folder on the machine:
+#   KEEP="e2e-*.json e2e-table.md lora-fold.json tests.log" STAGES="build lorafold e2e-each test" ...
 set -u
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
+if [ -n "${KEEP:-}" ]; then
+  KEPT_OUT=$OUT OUT=$(mktemp -d)
+  keep() {  # on exit: the files KEEP names, from the scratch folder to the folder that comes back
+    local glob file
+    for glob in $KEEP; do
+      for file in "$OUT"/$glob; do [ -f "$file" ] && cp "$file" "$KEPT_OUT/"; done
+    done
+    ls "$KEPT_OUT"
+  }
+  trap keep EXIT
+fi
 STAGES=${STAGES:-"env build test bench"}
 # the whole cuda suite (1642 tests) took 542 s with -n 12 on the H200 (2026-12-02, session 14); with the 75 s build
 # that is past a 600 s call: build in one call (STAGES="env build"), test in the next while the machine is warm
@@ -147,6 +161,8 @@ if has e2e-each && [ -n "${E2E_VARIANTS:-}${E2E_AFTER_VARIANTS:-}" ]; then
   $PY bench/e2e.py --merge "$OUT"/e2e-*.json --merge-reference "${E2E_REFERENCE:-stock-compile}" 2>&1 \
     | tee "$OUT/e2e-table.md"
 fi
+# lorafold: bench/lora_fold.py, the two orders of folding LoRA's low-rank products into the base GEMM (G4OPS_LORA_FOLD)
+has lorafold && stage lorafold 120 $PY bench/lora_fold.py --json "$OUT/lora-fold.json"
 # shellcheck disable=SC2086
 has lorafused && stage lorafused "${LORAFUSED_TIMEOUT:-540}" $PY bench/lora_grad_fused.py \
   --json "$OUT/lora-grad-fused.json" ${LORAFUSED_ARGS:-}
