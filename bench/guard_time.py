@@ -23,6 +23,11 @@ entered: under `reduce-overhead` the GPU idles through it, plus the CUDA-graph t
 
     python bench/guard_time.py --layers 42 --lora 16 --backend memo --json host.json   # LoRA against ...
     python bench/guard_time.py --layers 42 --lora 0 --backend memo                      # ... the full finetune
+
+These backends are not Inductor with CUDA graphs, so g4ops' LoRA traces its math into the graph (the default-mode
+path); `--graphed 1` makes it take the path of the graphed headline step (the ops, with split products), whose
+guards differ: fewer (2 layers, r=16, CPU, torch 2.13, 2026-12-07: stock 2674 guards; g4ops 3376 with the math
+traced, 2881 with the ops).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch
 import g4ops
 from g4ops.models import build_model
 
-SETUP = ("shape", "layers", "lora", "seq", "dtype", "device", "backend")
+SETUP = ("shape", "layers", "lora", "seq", "dtype", "device", "backend", "graphed")
 
 
 def _model(args, variant: str):
@@ -119,6 +124,10 @@ def _missing_text(missing: dict | None) -> str:
 
 
 def measure(args, variant: str) -> dict:
+    if args.graphed:  # the LoRA ops' choice under a compile that replays CUDA graphs, whatever this backend is
+        from g4ops.ops import lora
+
+        lora._outer_compile_replays_graphs = lambda: True
     model = _model(args, variant)
     ids = torch.randint(3, model.config.vocab_size, (1, args.seq), generator=torch.Generator().manual_seed(0))
     batch = dict(input_ids=ids.to(args.device), labels=ids.to(args.device))
@@ -207,6 +216,9 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (eager: the same Dynamo guards, "
                     "no kernels compiled; memo: also the forward call's whole host time, graphs replaying their first "
                     "outputs)")  # fmt: skip
+    ap.add_argument("--graphed", type=int, choices=[0, 1], default=0,
+                    help="1: g4ops' LoRA takes the path of a compile that replays CUDA graphs (mode='reduce-overhead' "
+                    "on CUDA: the ops with split products, not the traced math), as the graphed headline step does")
     ap.add_argument("--variants", default="stock,g4ops")
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=7)

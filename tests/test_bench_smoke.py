@@ -307,6 +307,23 @@ def test_lora_fold_bench_smoke(tmp_path):
         assert 0 < row["base_last_rel_err"] <= row["base_first_rel_err"] < 2 * 2.0**-8, row
 
 
+@pytest.mark.parametrize("fold", ["base_first", "base_last"])
+def test_lora_kernel_count_bench_smoke(tmp_path, fold):
+    """bench/lora_kernel_count.py in each fold order: the base projection is one GEMM each way and no other kernel
+    (the count reads the generated code right); a LoRA projection's split forward is three GEMMs in either order
+    (A's product, and the base and low-rank GEMMs of the fold) with elementwise kernels beside them."""
+    out = tmp_path / "count.json"
+    _run(["bench/lora_kernel_count.py", "--json", str(out)], tmp_path, env=dict(_without_switches(),
+                                                                                 G4OPS_LORA_FOLD=fold))  # fmt: skip
+    rows = {(r["op"], r["part"]): r for r in json.loads(out.read_text())["rows"]}
+    assert {r["fold"] for r in rows.values()} == {fold}
+    assert rows["base linear", "forward"]["kernels"] == 0 and rows["base linear", "forward"]["gemms"] == 1
+    assert rows["base linear", "backward dx"]["gemms"] == 1
+    assert rows["lora_linear", "forward"]["gemms"] == 3 and rows["lora_linear", "forward"]["kernels"] > 0
+    for part in ("forward", "backward"):
+        assert rows["lora_geglu_mlp", part]["gemms"] > rows["lora_linear", part]["gemms"], rows
+
+
 def test_demo_without_compile_reports_parity(tmp_path):
     # the README's main job, minus the compile variants (CI time): every variant, the GreedyDecoder included
     proc = _run(["-m", "g4ops", "demo", "--no-compile", "--tokens", "12"], tmp_path)
