@@ -11,7 +11,8 @@ today's order does), so the result is no less accurate against fp64 when the low
 
 This times both orders for E4B's folds at 2048 tokens (r=16, one adapter: K=144; the MLP's dx fold takes gate's and
 up's: K=288), each replayed from a CUDA graph, next to the base GEMM alone, and reports each order's error against
-fp64. Nothing here is wired into g4ops.
+fp64. g4ops runs the order G4OPS_LORA_FOLD names (`_linear_plus_low_rank`, default base_first); this times the two
+GEMMs of each order alone, without the splits that form their operands.
 
     python bench/lora_fold.py --json $OUT/lora-fold.json     # CUDA: about 20 s
     python bench/lora_fold.py --device cpu --smoke            # CPU: the harness and the errors at small shapes

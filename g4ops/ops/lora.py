@@ -248,14 +248,14 @@ def _dropped(t, drop):
     return t if mask is None else (t * mask.to(t.dtype)) * (1.0 / (1.0 - p))
 
 
-# The split products: fp32 adapters of a bf16 model take their products over tokens and features on bf16 tensor
-# cores (`_split_mm`) and fold the K=r ones into the base GEMMs (`_plus_low_rank`). They trade host time (more, smaller
+# The split products: fp32 adapters of a bf16 model take their products over tokens and features on bf16 tensor cores
+# (`_split_mm`) and fold the K=r ones into the base GEMMs (`_linear_plus_low_rank`). They trade host time (more, smaller
 # kernels) for GPU time, so they pay where the op's per-call host cost is gone: under CUDA graphs. On the H200 (torch
-# 2.11, 2026-12-04, E4B shapes, r=16, 2048 tokens): an MLP forward and backward took 2.47 ms of GPU against 3.60 ms;
-# the 42-layer default-mode compiled step, host-bound, fell from 11610 to 10030 tok/s (session 22), while a graphed
-# 4-layer step rose from 69440 to 75191 tok/s (bench/results/2026-12-04-h200-session23.md), and a graphed 42-layer
-# step from 13610 to 17060 on an H100 (2026-12-07, bench/results/2026-12-07-h100-session52.md). So the op calls from
-# a compile that replays CUDA graphs ask for them (`split=True`, `_split_in_this_compile`), and nothing else does.
+# 2.11, 2026-12-04, E4B shapes, r=16, 2048 tokens): an MLP forward and backward took 2.47 ms of GPU against 3.60 ms; the
+# 42-layer default-mode compiled step, host-bound, fell from 11610 to 10030 tok/s (session 22), while a graphed 4-layer
+# step rose from 69440 to 75191 tok/s (bench/results/2026-12-04-h200-session23.md), and a graphed 42-layer step from
+# 13610 to 17060 on an H100 (2026-12-07, bench/results/2026-12-07-h100-session52.md). So the op calls from a compile
+# that replays CUDA graphs ask for them (`split=True`, `_split_in_this_compile`), and nothing else does.
 # G4OPS_LORA_SPLIT=1 also takes them in every call on CUDA (SPLIT_DEVICES; the tests add "cpu", where the same
 # arithmetic runs in fp32); =0 never, graphed compiles included.
 _SPLIT_SETTING = {"1": True, "0": False}.get(os.environ.get("G4OPS_LORA_SPLIT", ""))
@@ -461,7 +461,7 @@ def _low_rank_grads(grad_y, lora_a, lora_b, scaling, drops, mids, mask_b, acc, s
     """One projection's adapters, the part that needs no input z: (sum_a dropout_a'(u_a @ A_a) in `acc` or None,
     [(u_a, A_a^T)] to fold into dz's base GEMM, [u_a], [dB_a]) with u_a = s_a * (dY_a @ B_a) and
     dB_a = s_a * dY_a^T @ A_a(z_a) (module docstring). Split (`_splits`), an adapter without dropout goes into the fold
-    list (`_plus_low_rank`) instead of the sum."""
+    list (`_linear_plus_low_rank`) instead of the sum."""
     grad_z, folds, us, grad_b = None, [], [], []
     split = _splits(grad_y, lora_a, split)  # dY_a = dY cast to fp32: exact, so the products can read dY itself
     for a, b, s, drop, mid, want_b in zip(lora_a, lora_b, scaling, drops, mids, mask_b):
@@ -519,7 +519,7 @@ def lora_geglu_mlp_backward_math(grad_out, x, gate, up, w_gate, w_up, w_down, lo
     empty = lambda: x.new_empty(0)  # noqa: E731
 
     # down: dh = grad_out @ W_down + sum_a u_a @ A_a, kept in fp32 into the GeGLU backward, which recomputes h
-    # (split: the terms folded into the base GEMM's bf16 output, `_plus_low_rank`)
+    # (split: the terms folded into the base GEMM, `_linear_plus_low_rank`)
     lora_h, down_folds, down_us, grad_db = _low_rank_grads(grad_out, da, db, ds, dd, dm, dmb, acc, split)
     grad_h = _linear_plus_low_rank(grad_out, w_down.t(), down_folds)
     if lora_h is not None:
@@ -829,7 +829,7 @@ def lora_geglu_mlp(x, w_gate, w_up, w_down, gate_adapters=(), up_adapters=(), do
 # attention projections once the MLP's products ran split (`_split_mm`, which this op uses too). With this op (and
 # G4OPS_LORA_SPLIT=1) they fell to about 1.0 ms, the K=r products that then stayed fp32, and the graphed 42-layer
 # step went from 15444 to 16081 tok/s (bench/results/2026-12-04-h200-session24.md). Those products are now folded
-# into the base GEMMs (`_plus_low_rank`): 16916 tok/s (bench/results/2026-12-05-h200-session27.md).
+# into the base GEMMs (`_linear_plus_low_rank`): 16916 tok/s (bench/results/2026-12-05-h200-session27.md).
 
 
 def lora_linear_forward_math(x, weight, lora_a, lora_b, scaling, dropout, dropout_mask, split=False):
