@@ -92,6 +92,29 @@ def test_ops_are_actually_called_when_enabled(monkeypatch):
     assert calls == {"rms_norm": 0, "geglu_mlp": 0, "sandwich_norm": 0}, "disable() must stop routing through g4ops"
 
 
+def test_another_activation_keeps_stock_mlp_and_per_layer_gate(monkeypatch):
+    """g4ops' MLP and per-layer gate compute the tanh GELU: a config with another activation (exact GELU here) keeps
+    stock's forward in both, and the model still matches stock (the norms stay fused)."""
+    calls = {"geglu_mlp": 0, "gelu_tanh_mul": 0, "sandwich_norm": 0}
+    patches._probe_once(hf)  # the first enable() of a process probes the ops once: not the model's calls
+    for name in calls:
+        real = getattr(g4ops.ops, name)
+        monkeypatch.setattr(g4ops.ops, name, lambda *a, _n=name, _f=real, **k: calls.__setitem__(_n, calls[_n] + 1)
+                            or _f(*a, **k))  # fmt: skip
+    model = build_model("tiny-e4b", hidden_activation="gelu").train()
+    assert type(model.model.layers[0].mlp.act_fn).__name__ == "GELUActivation"
+    ids = _tokens(model.config.vocab_size)
+    logits0, loss0, grads0 = _loss_and_grads(model, ids)
+    with g4ops.enable():
+        assert not patches.mlp_uses_g4ops(model.model.layers[0].mlp)
+        logits1, loss1, grads1 = _loss_and_grads(model, ids)
+    layers = model.config.num_hidden_layers
+    assert calls == {"geglu_mlp": 0, "gelu_tanh_mul": 0, "sandwich_norm": 2 * layers}  # loss pass + logits pass
+    assert _rel(logits1, logits0) <= FP32_RTOL
+    assert abs(loss1.item() - loss0.item()) <= FP32_RTOL * abs(loss0.item())
+    _assert_grads_match(grads0, grads1, rtol=1e-4)
+
+
 def test_layer_keeps_stock_forward_when_a_norm_is_hooked_or_replaced(monkeypatch):
     """A hook on a sandwich norm (activation capture, say) must still fire: that layer runs its stock forward."""
     calls = []
