@@ -898,7 +898,8 @@ WORKLOAD_KEYS = ("seq", "layout", "real_tokens", "lora_r", "optimizer", "autocas
 
 def merge_train(paths: list[str], reference: str, loss_tol: float) -> dict:
     """`--merge`: the train rows of `paths` (this script's JSON) in one result, each compared with the `reference`
-    variant's row of the same workload (`speedup_vs_<reference>`, `loss_matches_<reference>`)."""
+    variant's row of the same workload (`speedup_vs_<reference>`, `loss_matches_<reference>`): the one run without
+    G4OPS_* switches, so that a row of the same variant under a switch (an A/B of g4ops' own paths) is compared too."""
     missing = [p for p in paths if not Path(p).is_file()]
     if missing:
         raise SystemExit(f"--merge: no such file: {', '.join(missing)}")
@@ -910,11 +911,11 @@ def merge_train(paths: list[str], reference: str, loss_tol: float) -> dict:
     rows = [dict(row, source=Path(path).name) for path, f in zip(paths, files) for row in f.get("train", [])]
     refs = {}
     for row in rows:
-        if row["variant"] == reference and "tok_s" in row:
+        if row["variant"] == reference and not row.get("g4ops_env") and "tok_s" in row:
             refs.setdefault(tuple(row.get(k) for k in WORKLOAD_KEYS), row)
     for row in rows:
         ref = refs.get(tuple(row.get(k) for k in WORKLOAD_KEYS))
-        if ref is None or row["variant"] == reference or "tok_s" not in row:
+        if ref is None or ref is row or "tok_s" not in row:
             continue
         row[f"speedup_vs_{reference}"] = row["tok_s"] / ref["tok_s"]
         row[f"loss_matches_{reference}"] = loss_matches(row["first_loss"], ref["first_loss"], loss_tol)

@@ -179,6 +179,12 @@ def test_e2e_merge_joins_one_variant_per_file(tmp_path):
     assert "g4ops_env" not in g4 and inner_eager["g4ops_env"] == {"G4OPS_LORA_COMPILE": "0"}
     assert "| g4ops | 32 | packed | 26 | 2 | none |" in proc.stdout
     assert "| g4ops [G4OPS_LORA_COMPILE=0] | 32 | packed | 26 | 2 | none |" in proc.stdout
+    # an A/B of g4ops' own paths: the reference is its row without switches, the switched row is compared with it
+    _run(["bench/e2e.py", "--merge", *map(str, paths), "--merge-reference", "g4ops", "--json", str(merged)], tmp_path)
+    rows = {r["source"]: r for r in json.loads(merged.read_text())["train"]}
+    inner_eager, g4 = rows["e2e-g4ops-inner-eager.json"], rows["e2e-g4ops.json"]
+    assert inner_eager["speedup_vs_g4ops"] == inner_eager["tok_s"] / g4["tok_s"], inner_eager
+    assert "speedup_vs_g4ops" not in g4 and rows["e2e-stock.json"]["speedup_vs_g4ops"] > 0
     other = json.loads(paths[0].read_text())
     other["meta"]["gpu"] = "another GPU"
     paths[0].write_text(json.dumps(other))
