@@ -1,6 +1,6 @@
 """Device helpers shared by the test files: the parametrisation (every test runs on CPU, and the same checks run on
 CUDA, marked `cuda` and skipped without a GPU), CUDA-graph capture, one intra-op thread, and a counter of the g4ops
-ops a piece of code really dispatched."""
+ops a piece of code really dispatched; a recorder of the LoRA ops' split path."""
 
 import pytest
 import torch
@@ -63,3 +63,21 @@ class G4opsCalls(TorchDispatchMode):
         if name.startswith("g4ops."):
             self.calls[name] = self.calls.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+class LoraSplitPath:
+    """Sets the LoRA ops' split path on `device` (`split_order`, a lora.FOLD_ORDERS entry; None: fp32 products, as
+    peft) and records what took it: `split_mm`, one entry per `_split_mm` call; `folds`, one per call that folds at
+    least one product into a base GEMM; `base_last`, one per fold in the "base_last" order."""
+
+    def __init__(self, monkeypatch, device: str, split_order: str | None):
+        from g4ops.ops import lora
+
+        self.split_mm, self.folds, self.base_last = [], [], []
+        monkeypatch.setattr(lora, "SPLIT_DEVICES", {device} if split_order else set())
+        monkeypatch.setattr(lora, "FOLD_ORDER", split_order or lora.FOLD_ORDER)
+        split_mm, fold, base_last = lora._split_mm, lora._linear_plus_low_rank, lora._low_rank_plus_base
+        monkeypatch.setattr(lora, "_split_mm", lambda a, b: self.split_mm.append(1) or split_mm(a, b))
+        monkeypatch.setattr(lora, "_linear_plus_low_rank",
+                            lambda z, w, pairs: self.folds.extend(pairs[:1]) or fold(z, w, pairs))  # fmt: skip
+        monkeypatch.setattr(lora, "_low_rank_plus_base", lambda *a: self.base_last.append(1) or base_last(*a))

@@ -27,10 +27,10 @@ from g4ops.ops import lora
 
 try:
     from . import oracle as O
-    from .devices import DEVICES, G4opsCalls
+    from .devices import DEVICES, G4opsCalls, LoraSplitPath
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import oracle as O
-    from devices import DEVICES, G4opsCalls
+    from devices import DEVICES, G4opsCalls, LoraSplitPath
 
 peft = pytest.importorskip("peft")
 hf = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
@@ -169,17 +169,7 @@ def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monke
     """`split` (a fold order, lora.FOLD_ORDER): fp32 adapters take their products with bf16 tensors through
     lora._split_mm (opt-in on CUDA, G4OPS_LORA_SPLIT=1; on CPU the same arithmetic in fp32) and fold them into the base
     GEMMs in that order; None: through fp32 copies as peft does."""
-    devices = {device} if split else set()
-    monkeypatch.setattr(lora, "SPLIT_DEVICES", devices)
-    split_calls = []
-    split_mm = lora._split_mm
-    monkeypatch.setattr(lora, "_split_mm", lambda a, b: split_calls.append(1) or split_mm(a, b))
-    # folds: one entry per call that folds at least one product, in the fold order `split` names (lora.FOLD_ORDER)
-    folds, fold = [], lora._linear_plus_low_rank
-    monkeypatch.setattr(lora, "_linear_plus_low_rank", lambda z, w, pairs: folds.extend(pairs[:1]) or fold(z, w, pairs))
-    monkeypatch.setattr(lora, "FOLD_ORDER", split or lora.FOLD_ORDER)
-    orders, plus_base = [], lora._low_rank_plus_base
-    monkeypatch.setattr(lora, "_low_rank_plus_base", lambda *a: orders.append(1) or plus_base(*a))
+    path = LoraSplitPath(monkeypatch, device, split)
     # peft's default (autocast_adapter_dtype=True) keeps a bf16 model's adapters in fp32
     model = _mlp_model(device, BF16).train()
     if not adapter_fp32:
@@ -196,10 +186,10 @@ def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monke
     assert all(ours[3].get(op) == 1 for op in FUSED_TRAIN)
     # per projection dY @ B and dB in the backward; A(x) in the forward and dA in the backward, one call each for
     # down and one for gate and up together (they read the same x)
-    assert len(split_calls) == (2 * 3 + 2 * 2 if split and adapter_fp32 else 0), len(split_calls)
+    assert len(path.split_mm) == (2 * 3 + 2 * 2 if split and adapter_fp32 else 0), len(path.split_mm)
     # and per projection, B's products in the forward and A's in dx fold into the base GEMMs' outputs
-    assert len(folds) == (3 + 2 if split and adapter_fp32 else 0), len(folds)
-    assert len(orders) == (len(folds) if split == "base_last" else 0)
+    assert len(path.folds) == (3 + 2 if split and adapter_fp32 else 0), len(path.folds)
+    assert len(path.base_last) == (len(path.folds) if split == "base_last" else 0)
     O.assert_run_no_worse_than_stock(ours, stock, truth, INTER, TOKENS[0] * TOKENS[1], BF16)
 
 

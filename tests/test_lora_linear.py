@@ -29,10 +29,10 @@ from g4ops.ops import lora
 
 try:
     from . import oracle as O
-    from .devices import DEVICES, G4opsCalls
+    from .devices import DEVICES, G4opsCalls, LoraSplitPath
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
     import oracle as O
-    from devices import DEVICES, G4opsCalls
+    from devices import DEVICES, G4opsCalls, LoraSplitPath
 
 peft = pytest.importorskip("peft")
 hf = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
@@ -164,16 +164,7 @@ def test_eager_calls_run_peft_by_default(device, monkeypatch, caplog):
 @pytest.mark.parametrize("split", ["base_first", "base_last", None],
                          ids=["split-products", "split-products-base-last", "fp32-products"])
 def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monkeypatch):
-    monkeypatch.setattr(lora, "SPLIT_DEVICES", {device} if split else set())
-    split_calls = []
-    split_mm = lora._split_mm
-    monkeypatch.setattr(lora, "_split_mm", lambda a, b: split_calls.append(1) or split_mm(a, b))
-    # folds: one entry per call that folds at least one product, in the fold order `split` names (lora.FOLD_ORDER)
-    folds, fold = [], lora._linear_plus_low_rank
-    monkeypatch.setattr(lora, "_linear_plus_low_rank", lambda z, w, pairs: folds.extend(pairs[:1]) or fold(z, w, pairs))
-    monkeypatch.setattr(lora, "FOLD_ORDER", split or lora.FOLD_ORDER)
-    orders, plus_base = [], lora._low_rank_plus_base
-    monkeypatch.setattr(lora, "_low_rank_plus_base", lambda *a: orders.append(1) or plus_base(*a))
+    path = LoraSplitPath(monkeypatch, device, split)
     model = _model(device, BF16).train()  # peft keeps a bf16 model's adapters in fp32
     if not adapter_fp32:
         for name, p in model.named_parameters():
@@ -185,10 +176,10 @@ def test_bf16_no_worse_than_peft_against_fp64(device, adapter_fp32, split, monke
     stock, ours = _run(model, x, grad_out, False), _run(model, x, grad_out, True)
     assert all(ours[3].get(op) == 2 for op in TRAIN)
     # per projection: A(x) in the forward; dY @ B, dB and dA in the backward
-    assert len(split_calls) == (4 * 2 if split and adapter_fp32 else 0), len(split_calls)
+    assert len(path.split_mm) == (4 * 2 if split and adapter_fp32 else 0), len(path.split_mm)
     # and per projection, B's products in the forward and A's in dx fold into the base GEMMs' outputs
-    assert len(folds) == (2 * 2 if split and adapter_fp32 else 0), len(folds)
-    assert len(orders) == (len(folds) if split == "base_last" else 0)
+    assert len(path.folds) == (2 * 2 if split and adapter_fp32 else 0), len(path.folds)
+    assert len(path.base_last) == (len(path.folds) if split == "base_last" else 0)
     O.assert_run_no_worse_than_stock(ours, stock, truth, HIDDEN, TOKENS[0] * TOKENS[1], BF16)
 
 

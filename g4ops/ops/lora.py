@@ -421,18 +421,19 @@ def _with_adapters(z, weight, lora_a, lora_b, scaling, drops, split: bool, split
     mids = []
     if split_mids is None:
         split_mids = _split_products(z, (lora_a, drops), split=split)[0]
-    base_in, split = z, _splits(z, lora_a, split)  # split: every cast below is bf16 -> fp32, exact
+    split = _splits(z, lora_a, split)  # then every cast below is bf16 -> fp32: exact
     y = None if split else F.linear(z, weight)
+    z_a = z
     for a, b, s, drop, split_mid in zip(lora_a, lora_b, scaling, drops, split_mids):
-        z = z.to(a.dtype)  # peft's _cast_input_dtype, cumulative like its loop
-        mid = split_mid if split_mid is not None else F.linear(_dropped(z, drop), a)
+        z_a = z_a.to(a.dtype)  # peft's _cast_input_dtype, cumulative like its loop
+        mid = split_mid if split_mid is not None else F.linear(_dropped(z_a, drop), a)
         mids.append(mid.contiguous())
         if not split:
             y = y + F.linear(mid, b) * s
     if split:
         folds = [(mid, b * s) for mid, b, s in zip(mids, lora_b, scaling)]
-        return _linear_plus_low_rank(base_in, weight, folds).contiguous(), mids
-    return y.to(base_in.dtype).contiguous(), mids
+        return _linear_plus_low_rank(z, weight, folds).contiguous(), mids
+    return y.to(z.dtype).contiguous(), mids
 
 
 def _gelu_tanh_mul(gate, up):
