@@ -545,6 +545,20 @@ def test_guard_time_smoke(tmp_path):
     assert set(missing["g4ops"]) <= set(missing["stock"]), rows
 
 
+def test_guard_time_graphed_takes_the_lora_ops_path(tmp_path):
+    """--graphed 1 times the LoRA path of a compile that replays CUDA graphs (the ops, not the traced math), as the
+    graphed headline step runs it: g4ops' step then carries fewer guards than on the traced path."""
+    guards = {}
+    for graphed in ("0", "1"):
+        out = tmp_path / f"guards-{graphed}.json"
+        _run(["bench/guard_time.py", "--layers", "2", "--lora", "4", "--backend", "eager", "--calls", "3",
+              "--repeats", "1", "--variants", "g4ops", "--graphed", graphed, "--json", str(out)], tmp_path)  # fmt: skip
+        result = json.loads(out.read_text())
+        assert result["setup"]["graphed"] == int(graphed)
+        guards[graphed] = result["rows"][0]["guards"]
+    assert 0 < guards["1"] < guards["0"], guards
+
+
 def test_guard_time_memo_times_a_full_finetunes_forward_call(tmp_path):
     """bench/guard_time.py --backend memo on the full finetune (no LoRA: the compiled frame is transformers'
     decorator wrapper, whose closure Dynamo guards on): the forward call's host time, the part before the graph
