@@ -6,6 +6,9 @@
 #   STAGES="e2e" E2E_ARGS="--parts decode --layers 42 --batches 1 --decode-variants stock,g4ops" bash bench/gpu_round.sh
 #   STAGES="build sampling serve" bash bench/gpu_round.sh   # issue 16's and 17's benchmarks (each under 10 min)
 #   STAGES="build flex" FLEX_ARGS="--kinds full" bash bench/gpu_round.sh   # flex kernel options vs g4ops attention
+#   STAGES="build test profile" TEST_PATHS="tests/test_gelu_tanh_mul.py" KEEP="tests.log profile.json" \
+#     PROFILE_ARGS="--layers 42 --parts train --attention --train-modes compiled --variants g4ops \
+#     --compile-mode reduce-overhead --top 60 --host-top 5" bash bench/gpu_round.sh   # tests, then a step's kernels
 #   STAGES="env lorafused" bash bench/gpu_round.sh   # the fused LoRA u/dB prototype vs today's split pair (no build)
 #   STAGES="build e2e-each" E2E_VARIANTS="g4ops-compile liger stock-compile" E2E_ARGS="--parts train --seqs 2048" \
 #     bash bench/gpu_round.sh                         # compared train rows, each variant in its own process
@@ -161,6 +164,11 @@ if has e2e-each && [ -n "${E2E_VARIANTS:-}${E2E_AFTER_VARIANTS:-}" ]; then
   $PY bench/e2e.py --merge "$OUT"/e2e-*.json --merge-reference "${E2E_REFERENCE:-stock-compile}" 2>&1 \
     | tee "$OUT/e2e-table.md"
 fi
+# profile: bench/profile_steps.py with PROFILE_ARGS, its JSON in $OUT/profile.json (the kernel table and host phases
+# of a step; KEEP="profile.json ..." to bring it back beside the other stages' files)
+# shellcheck disable=SC2086
+has profile && stage profile "${PROFILE_TIMEOUT:-540}" $PY bench/profile_steps.py --json "$OUT/profile.json" \
+  ${PROFILE_ARGS:-}
 # lorafold: bench/lora_fold.py, the two orders of folding LoRA's low-rank products into the base GEMM (G4OPS_LORA_FOLD)
 has lorafold && stage lorafold 120 $PY bench/lora_fold.py --json "$OUT/lora-fold.json"
 # shellcheck disable=SC2086
