@@ -30,7 +30,8 @@
 # The kernel build takes 70-90 s on each fresh machine. SAVE_BUILD=1 copies the built library to $OUT, gzipped (the
 # library was 20.4 MB on 2026-12-05, past the 16 MiB a returned file may have); put the file that comes back into
 # .prebuilt/ here (ignored) and carry ".prebuilt": the next call's build stage then loads it (g4ops/ops/_build.py: its
-# name is the build's tag, so it is used only for the same sources, torch, CUDA and arch).
+# name is the build's tag, so it is used only for the same sources, torch, CUDA and arch). bench/prebuild.py builds
+# the same library without a GPU, under the image's torch (2.11.0+cu130) and arch (9.0a), in about 3 minutes.
 # KEEP (file globs, space-separated): only the round's files that match come back in $OUT (a device call returns at
 # most 8; session 55 lost a kernel table to that limit); the rest stays in a scratch folder on the machine:
 #   KEEP="e2e-*.json e2e-table.md lora-fold.json tests.log" STAGES="build lorafold e2e-each test" ...

@@ -101,6 +101,23 @@ def _load_built(library: Path, verbose: bool) -> str | None:
     return str(library)
 
 
+def compile_library(tag: str, build_dir: Path, verbose: bool = False, include_paths=()) -> str:
+    """cpp_extension.load of csrc/ as the library `g4ops_cuda_{tag}` in build_dir, for the arch TORCH_CUDA_ARCH_LIST
+    names; it also loads it. include_paths: more header folders (bench/prebuild.py's CUDA headers)."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name=f"g4ops_cuda_{tag}",
+        sources=[str(p) for p in _sources()],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3", "-lineinfo"],
+        extra_include_paths=[str(p) for p in include_paths],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=verbose,
+    )
+
+
 def build(verbose: bool = False) -> str:
     """Compile (or reuse from the cache) and load the CUDA kernels; returns the loaded library path."""
     from torch.utils import cpp_extension
@@ -129,15 +146,7 @@ def build(verbose: bool = False) -> str:
             build_dir.mkdir(parents=True, exist_ok=True)
             library = _load_built(build_dir / f"g4ops_cuda_{tag}{_LIBRARY_SUFFIX}", verbose)
             if library is None:
-                library = cpp_extension.load(
-                    name=f"g4ops_cuda_{tag}",
-                    sources=[str(p) for p in sources],
-                    extra_cflags=["-O3"],
-                    extra_cuda_cflags=["-O3", "-lineinfo"],
-                    build_directory=str(build_dir),
-                    is_python_module=False,
-                    verbose=verbose,
-                )
+                library = compile_library(tag, build_dir, verbose)
         except KernelBuildError as exc:
             _state["error"] = str(exc)
             raise
