@@ -3,13 +3,14 @@ device call carries (carry [".prebuilt"]) and bench/gpu_round.sh's build stage l
 the 70-90 s a build takes on each fresh machine.
 
 The image uses the library only if its tag matches (g4ops/ops/_build.py `build_tag`: the sources, torch's and
-CUDA's versions, the arch list), so this must run under the image's torch, 2.11.0+cu130 (`pip install torch==2.11.0`
-in a venv of its own takes that build, CUDA headers included under site-packages/nvidia/), with nvcc 13.0 (here, as
-there) and the image's TORCH_CUDA_ARCH_LIST, 9.0a: the tag of session 55's library built there, 48f6ab9dcdf60da9,
-is that of 9.0a, not of gpu_round.sh's fallback 9.0. A library that does not load there is removed and rebuilt
-(`_load_built`), so a mismatch costs the build, nothing else.
+CUDA's versions, the arch list), so this must run under the image's torch, 2.11.0+cu130 (the venv that
+`bash .ci/gpu-image-stack` makes has that build, CUDA headers included under site-packages/nvidia/), with nvcc 13.0
+(here, as there) and the image's TORCH_CUDA_ARCH_LIST, 9.0a: the tag of session 55's library built there,
+48f6ab9dcdf60da9, is that of 9.0a, not of gpu_round.sh's fallback 9.0. A library that does not load there is removed
+and rebuilt (`_load_built`), so a mismatch costs the build, nothing else.
 
-    CUDA_HOME=/usr/local/cuda /tmp/v211/bin/python bench/prebuild.py   # about 3 minutes on 2 cores
+    bash .ci/gpu-image-stack --co -q          # the venv, if not there yet (collects the tests, runs none)
+    CUDA_HOME=/usr/local/cuda .venv-gpu-stack/bin/python bench/prebuild.py   # about 3 minutes on 2 cores
 """
 
 from __future__ import annotations
