@@ -6,8 +6,8 @@ The image uses the library only if its tag matches (g4ops/ops/_build.py `build_t
 CUDA's versions, the arch list), so this must run under the image's torch, 2.11.0+cu130 (the venv that
 `bash .ci/gpu-image-stack` makes has that build, CUDA headers included under site-packages/nvidia/), with nvcc 13.0
 (here, as there) and the image's TORCH_CUDA_ARCH_LIST, 9.0a: the tag of session 55's library built there,
-48f6ab9dcdf60da9, is that of 9.0a, not of gpu_round.sh's fallback 9.0. A library that does not load there is removed
-and rebuilt (`_load_built`), so a mismatch costs the build, nothing else.
+48f6ab9dcdf60da9, is that of 9.0a (gpu_round.sh's default too), not of 9.0. A library that does not load there is
+removed and rebuilt (`_load_built`), so a mismatch costs the build, nothing else.
 
     bash .ci/gpu-image-stack --co -q          # the venv, if not there yet (collects the tests, runs none)
     CUDA_HOME=/usr/local/cuda .venv-gpu-stack/bin/python bench/prebuild.py   # about 3 minutes on 2 cores
