@@ -9,8 +9,9 @@ CUDA's versions, the arch list), so this must run under the image's torch, 2.11.
 48f6ab9dcdf60da9, is that of 9.0a (gpu_round.sh's default too), not of 9.0. A library that does not load there is
 removed and rebuilt (`_load_built`), so a mismatch costs the build, nothing else.
 
-    bash .ci/gpu-image-stack --co -q          # the venv, if not there yet (collects the tests, runs none)
-    CUDA_HOME=/usr/local/cuda .venv-gpu-stack/bin/python bench/prebuild.py   # about 3 minutes on 2 cores
+    python3 -m venv /tmp/v211 && /tmp/v211/bin/pip install torch==2.11.0 \
+      && /tmp/v211/bin/pip install -e ".[test]" transformers==5.17.0    # the image's stack, as .ci/gpu-image-stack
+    CUDA_HOME=/usr/local/cuda /tmp/v211/bin/python bench/prebuild.py    # about 3 minutes on 2 cores
 """
 
 from __future__ import annotations
